@@ -1,0 +1,237 @@
+"""The typecheck pass: every data edge is well typed and every symbolic size has one value.
+
+Checks, each failing with the place in the job file and a fix:
+- data edges form a DAG;
+- every required input port has its producer, and every produced output that must be consumed is;
+- the producer's schema provides every field the consumer's port declares, with the same dtype and rank;
+- symbolic sizes unify along edges and agree with the sizes nodes bind (batch size, prompt length,
+  group size, response length): one union-find over (node, symbol) pairs, walked in topological order
+  so a conflict is reported at the first input that contradicts what is already known;
+- reward functions and tasks resolve; a KL penalty has its reference log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Hashable
+
+import networkx as nx
+
+from graphrl.errors import JobError
+from graphrl.ir import DataEdge, JobGraph
+from graphrl.ops import OPS, op_kind
+from graphrl.tasks import REWARDS, TASKS, resolve_callable
+
+from graphrl.compiler.passes import CompileContext, compiler_pass
+
+
+@dataclass
+class _Sizes:
+    """Union-find over size variables; a class may carry a known value and where it came from."""
+
+    parent: dict[Hashable, Hashable] = field(default_factory=dict)
+    value: dict[Hashable, int] = field(default_factory=dict)
+    origin: dict[Hashable, str] = field(default_factory=dict)
+
+    def find(self, key: Hashable) -> Hashable:
+        self.parent.setdefault(key, key)
+        while self.parent[key] != key:
+            self.parent[key] = self.parent[self.parent[key]]
+            key = self.parent[key]
+        return key
+
+    def bind(self, key: Hashable, value: int, origin: str) -> str | None:
+        """Give `key`'s class a value; return a conflict description or None."""
+        root = self.find(key)
+        if root in self.value and self.value[root] != value:
+            return f"{value} ({origin}) contradicts {self.value[root]} ({self.origin[root]})"
+        self.value.setdefault(root, value)
+        self.origin.setdefault(root, origin)
+        return None
+
+    def unify(self, a: Hashable, b: Hashable) -> str | None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return None
+        va, vb = self.value.get(ra), self.value.get(rb)
+        if va is not None and vb is not None and va != vb:
+            return f"{vb} ({self.origin[rb]}) contradicts {va} ({self.origin[ra]})"
+        self.parent[rb] = ra
+        if va is None and vb is not None:
+            self.value[ra], self.origin[ra] = vb, self.origin[rb]
+        return None
+
+    def resolve(self, key: Hashable) -> int | None:
+        return self.value.get(self.find(key))
+
+
+def _dim_key(node: str, dim: str | int) -> Hashable:
+    return ("const", dim) if isinstance(dim, int) else (node, dim)
+
+
+def _check_acyclic(graph: JobGraph) -> None:
+    try:
+        cycle = nx.find_cycle(graph.data_view())
+    except nx.NetworkXNoCycle:
+        return
+    names = [u for u, _ in cycle] + [cycle[0][0]]
+    raise JobError(
+        f"data edges form a cycle: {' -> '.join(names)}",
+        path=("nodes", cycle[-1][1], "inputs"),
+        fix="only weights may flow back to an earlier step; break the cycle of data references",
+    )
+
+
+def _producers_of(graph: JobGraph, schema_fields: set[str]) -> list[str]:
+    """Output ports that could feed an input needing `schema_fields`, for fix suggestions."""
+    hits = []
+    for node in graph.nodes():
+        for port, out in op_kind(node.spec).ports(node.spec).outputs.items():
+            if schema_fields <= set(out.schema.fields):
+                hits.append(f"{node.name}.{port}")
+    return hits
+
+
+def _check_ports(graph: JobGraph) -> None:
+    for node in graph.nodes():
+        ports = op_kind(node.spec).ports(node.spec)
+        connected = {e.dst_port for e in graph.in_edges(node.name)}
+        for port, spec in ports.inputs.items():
+            if spec.required and port not in connected:
+                candidates = _producers_of(graph, set(spec.schema.fields))
+                hint = f"e.g. '{port}: {candidates[0]}'" if candidates else "add a node that produces it"
+                raise JobError(
+                    f"required input port {port!r} of {node.op} node {node.name!r} is not connected",
+                    path=("nodes", node.name, "inputs"), fix=f"connect it, {hint}",
+                )
+        consumed = {e.src_port for e in graph.out_edges(node.name)}
+        for port, out in ports.outputs.items():
+            if out.must_consume and port not in consumed:
+                raise JobError(
+                    f"output {node.name}.{port} is produced but never used",
+                    path=("nodes", node.name),
+                    fix=f"connect '{node.name}.{port}' to an input that needs it, or remove the node",
+                )
+
+
+def _check_edge_schema(graph: JobGraph, edge: DataEdge) -> None:
+    dst = graph.node(edge.dst)
+    want = op_kind(dst.spec).ports(dst.spec).inputs[edge.dst_port].schema
+    path = ("nodes", edge.dst, "inputs", edge.dst_port)
+    ref = f"{edge.src}.{edge.src_port}"
+    for name, field_ in want.fields.items():
+        have = edge.schema.fields.get(name)
+        if have is None:
+            raise JobError(
+                f"schema mismatch: port {edge.dst_port!r} needs field {name!r}, which {ref} does not provide "
+                f"(it provides {', '.join(edge.schema.fields)})",
+                path=path,
+                fix="connect an output that provides it: " + (", ".join(_producers_of(graph, set(want.fields))) or "none exists"),
+            )
+        if have.dtype != field_.dtype or len(have.shape) != len(field_.shape):
+            raise JobError(
+                f"schema mismatch on field {name!r}: {ref} gives {have}, port {edge.dst_port!r} needs {field_}",
+                path=path, fix="connect an output of the right type",
+            )
+
+
+def _unify_shapes(graph: JobGraph) -> dict[str, dict[str, int]]:
+    sizes = _Sizes()
+    for dim in {d for n in graph.nodes() for p in _all_ports(n) for f in p.fields.values() for d in f.shape}:
+        if isinstance(dim, int):
+            sizes.bind(("const", dim), dim, "fixed size")
+    for name in graph.topo_order():
+        node = graph.node(name)
+        kind = op_kind(node.spec)
+        want = kind.ports(node.spec).inputs
+        for edge in sorted(graph.in_edges(name), key=lambda e: e.dst_port):
+            for field_name, field_ in want[edge.dst_port].schema.fields.items():
+                have = edge.schema.fields[field_name]
+                for axis, (src_dim, dst_dim) in enumerate(zip(have.shape, field_.shape)):
+                    conflict = sizes.unify(_dim_key(edge.src, src_dim), _dim_key(name, dst_dim))
+                    if conflict:
+                        raise JobError(
+                            f"shape mismatch: {field_name} dimension {axis} ({dst_dim}) from "
+                            f"{edge.src}.{edge.src_port}: {conflict}",
+                            path=("nodes", name, "inputs", edge.dst_port),
+                            fix="make the producing nodes agree on batch size, prompt and response lengths",
+                        )
+        for symbol, value in kind.bindings(node.spec).items():
+            conflict = sizes.bind((name, symbol), value, f"set by nodes.{name}")
+            if conflict:
+                raise JobError(
+                    f"shape mismatch: {symbol} = {conflict}", path=("nodes", name),
+                    fix="make the producing nodes agree on batch size, prompt and response lengths",
+                )
+        if node.op == "generate":
+            batch = sizes.resolve((name, "B"))
+            if batch is not None:
+                conflict = sizes.bind((name, "N"), batch * node.spec.samples_per_prompt, f"B x G at nodes.{name}")
+                if conflict:
+                    raise JobError(f"shape mismatch: N = {conflict}", path=("nodes", name, "samples_per_prompt"))
+    resolved: dict[str, dict[str, int]] = {}
+    for node in graph.nodes():
+        symbols = {d for p in _all_ports(node) for f in p.fields.values() for d in f.shape if isinstance(d, str)}
+        resolved[node.name] = {s: v for s in sorted(symbols) if (v := sizes.resolve((node.name, s))) is not None}
+    return resolved
+
+
+def _all_ports(node) -> list:  # noqa: ANN001
+    ports = op_kind(node.spec).ports(node.spec)
+    return [p.schema for p in ports.inputs.values()] + [p.schema for p in ports.outputs.values()]
+
+
+def _check_references(graph: JobGraph) -> None:
+    for node in graph.nodes():
+        spec = node.spec
+        if node.op == "reward" and spec.fn is not None:
+            try:
+                resolve_callable(spec.fn, REWARDS, "reward function")
+            except LookupError as exc:
+                raise JobError(str(exc), path=("nodes", node.name, "fn"),
+                               fix="use a registered rule or a 'module:function' on PYTHONPATH") from None
+        if node.op == "dataset":
+            try:
+                resolve_callable(spec.task, TASKS, "task")
+            except LookupError as exc:
+                raise JobError(str(exc), path=("nodes", node.name, "task"),
+                               fix="use a registered task or a 'module:function' on PYTHONPATH") from None
+
+
+def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
+    job = graph.job
+    warnings: list[str] = []
+    for node in graph.nodes():
+        if node.op != "train" or node.spec.loss == "critic":
+            continue
+        ports = {e.dst_port for e in graph.in_edges(node.name)}
+        if job.algorithm.kl_coef > 0 and "ref_logprobs" not in ports:
+            raise JobError(
+                f"kl_coef is {job.algorithm.kl_coef} but train node {node.name!r} has no 'ref_logprobs' input",
+                path=("algorithm", "kl_coef"),
+                fix=f"connect nodes.{node.name}.inputs.ref_logprobs to a reference logprob node, or set kl_coef: 0",
+            )
+        if job.schedule.mode == "async" and node.spec.loss != "aipo":
+            warnings.append(
+                f"nodes.{node.name}.loss: schedule is async but loss is {node.spec.loss!r}; off-policy "
+                "batches are not importance-corrected (use loss: aipo)"
+            )
+    return tuple(warnings)
+
+
+@compiler_pass("typecheck", ensures=("types",))
+def typecheck(graph: JobGraph, ctx: CompileContext) -> JobGraph:
+    """Ports, schemas, symbolic shapes, producers and references of the job graph."""
+    _check_acyclic(graph)
+    _check_ports(graph)
+    for edge in graph.data_edges():
+        _check_edge_schema(graph, edge)
+    sizes = _unify_shapes(graph)
+    _check_references(graph)
+    warnings = _check_algorithm(graph)
+    frozen = MappingProxyType({k: MappingProxyType(v) for k, v in sizes.items()})
+    return graph.with_attr("types", frozen).with_warnings(*warnings)
+
+
+__all__ = ["OPS", "typecheck"]

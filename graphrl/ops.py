@@ -1,0 +1,145 @@
+"""Op kinds: the typed ports of every node kind, in one registry.
+
+A port's schema is a `DataSchema` with symbolic shapes. Symbols are local to a node: every port of
+one node that says `N` means the same size. The typecheck pass unifies them along data edges and
+binds them from node settings (batch size, group size, response length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from graphrl.registry import Registry
+from graphrl.schemas.data import DataSchema
+from graphrl.schemas.job import (
+    AdvantageNode,
+    DatasetNode,
+    GenerateNode,
+    LogprobNode,
+    RewardNode,
+    TrainNode,
+    ValueNode,
+)
+
+# The batches that flow through an RL step. B prompts of P tokens become N = B * G responses of R tokens.
+PROMPTS = DataSchema.of(prompt_ids="int64[B, P]", prompt_mask="bool[B, P]")
+ROLLOUTS = DataSchema.of(
+    prompt_ids="int64[N, P]",
+    prompt_mask="bool[N, P]",
+    response_ids="int64[N, R]",
+    response_mask="bool[N, R]",
+    behaviour_logprobs="float32[N, R]",
+)
+LOGPROBS = DataSchema.of(logprobs="float32[N, R]")
+VALUES = DataSchema.of(values="float32[N, R]")
+REWARDS = DataSchema.of(rewards="float32[N]")
+ADVANTAGES = DataSchema.of(advantages="float32[N, R]", returns="float32[N, R]")
+
+
+@dataclass(frozen=True)
+class InPort:
+    schema: DataSchema
+    required: bool = True
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class OutPort:
+    schema: DataSchema
+    must_consume: bool = True
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Ports:
+    inputs: Mapping[str, InPort]
+    outputs: Mapping[str, OutPort]
+
+
+@dataclass(frozen=True)
+class OpKind:
+    """One kind of op node: which spec class it has, its ports, and whether it reads model weights."""
+
+    name: str
+    spec_type: type
+    ports: Callable[[object], Ports]
+    reads_model: bool
+    doc: str = ""
+    bindings: Callable[[object], Mapping[str, int]] = field(default=lambda node: {})
+
+
+OPS: Registry[OpKind] = Registry("op kind")
+
+
+def _dataset_ports(node: DatasetNode) -> Ports:
+    return Ports(inputs={}, outputs={"prompts": OutPort(PROMPTS, doc="left-padded prompt tokens")})
+
+
+def _generate_ports(node: GenerateNode) -> Ports:
+    return Ports(
+        inputs={"prompts": InPort(PROMPTS)},
+        outputs={"rollouts": OutPort(ROLLOUTS, doc="prompts, sampled responses and their log-probs")},
+    )
+
+
+def _logprob_ports(node: LogprobNode) -> Ports:
+    return Ports(inputs={"rollouts": InPort(ROLLOUTS)}, outputs={"logprobs": OutPort(LOGPROBS)})
+
+
+def _value_ports(node: ValueNode) -> Ports:
+    return Ports(inputs={"rollouts": InPort(ROLLOUTS)}, outputs={"values": OutPort(VALUES)})
+
+
+def _reward_ports(node: RewardNode) -> Ports:
+    return Ports(inputs={"rollouts": InPort(ROLLOUTS)}, outputs={"rewards": OutPort(REWARDS)})
+
+
+def _advantage_ports(node: AdvantageNode) -> Ports:
+    inputs = {"rewards": InPort(REWARDS), "rollouts": InPort(ROLLOUTS, doc="masks and group structure")}
+    if node.estimator == "gae":
+        inputs["values"] = InPort(VALUES, doc="critic values, needed by GAE")
+    return Ports(inputs=inputs, outputs={"advantages": OutPort(ADVANTAGES)})
+
+
+def _train_ports(node: TrainNode) -> Ports:
+    if node.loss == "critic":
+        inputs = {
+            "rollouts": InPort(ROLLOUTS),
+            "advantages": InPort(ADVANTAGES, doc="the returns are the critic's targets"),
+            "values": InPort(VALUES, required=False, doc="old values, for value clipping"),
+        }
+    else:
+        inputs = {
+            "rollouts": InPort(ROLLOUTS),
+            "advantages": InPort(ADVANTAGES),
+            "ref_logprobs": InPort(LOGPROBS, required=False, doc="reference log-probs, for the KL penalty"),
+            "old_logprobs": InPort(
+                LOGPROBS, required=False, doc="log-probs of the current policy (default: behaviour log-probs)"
+            ),
+        }
+    return Ports(inputs=inputs, outputs={})
+
+
+OPS.add("dataset", OpKind(
+    "dataset", DatasetNode, _dataset_ports, reads_model=False, doc="prompts from a task",
+    bindings=lambda n: {"B": n.batch_size, "P": n.prompt_len},
+))
+OPS.add("generate", OpKind(
+    "generate", GenerateNode, _generate_ports, reads_model=True, doc="sample responses",
+    bindings=lambda n: {"R": n.max_new_tokens},
+))
+OPS.add("logprob", OpKind("logprob", LogprobNode, _logprob_ports, reads_model=True, doc="per-token log-probs"))
+OPS.add("value", OpKind("value", ValueNode, _value_ports, reads_model=True, doc="critic values"))
+OPS.add("reward", OpKind("reward", RewardNode, _reward_ports, reads_model=True, doc="score responses"))
+OPS.add("advantage", OpKind("advantage", AdvantageNode, _advantage_ports, reads_model=False, doc="advantages"))
+OPS.add("train", OpKind("train", TrainNode, _train_ports, reads_model=True, doc="optimizer update"))
+
+
+def op_kind(node: object) -> OpKind:
+    return OPS[node.op]  # type: ignore[attr-defined]
+
+
+def node_model(node: object) -> str | None:
+    """The model whose weights a node reads, if any."""
+    return getattr(node, "model", None)

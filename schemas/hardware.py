@@ -1,0 +1,91 @@
+"""Accelerator descriptions: the few figures the cost model needs, with datasheet presets.
+
+Figures are per device. Bandwidths are unidirectional bytes/s. Efficiency factors turn datasheet
+peaks into achievable rates (no device reaches its peak FLOP/s on real matmuls, nor its link rate on
+real collectives); they are the knobs `graphrl calibrate` fits for the local CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from graphrl.schemas.base import Frozen
+
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+
+
+class HardwareSpec(Frozen):
+    """One kind of device and the links between devices."""
+
+    name: str = Field(description="Name shown in plans, e.g. 'h100-sxm-80gb'.")
+    kind: Literal["gpu", "cpu"] = Field(default="gpu", description="Device family; selects NCCL or gloo.")
+    peak_bf16_flops: float = Field(gt=0, description="Dense bf16 matmul peak, FLOP/s per device.")
+    peak_fp8_flops: float = Field(
+        default=0.0, ge=0, description="Dense fp8 matmul peak, FLOP/s per device; 0 means fp8 is unsupported."
+    )
+    memory_bytes: float = Field(gt=0, description="Device memory capacity in bytes.")
+    memory_bandwidth: float = Field(gt=0, description="Device memory bandwidth, bytes/s.")
+    intra_node_bandwidth: float = Field(
+        gt=0, description="Link bandwidth per device to devices of the same node (NVLink), bytes/s, one direction."
+    )
+    inter_node_bandwidth: float = Field(
+        gt=0, description="Network bandwidth per device to other nodes (InfiniBand/RoCE), bytes/s, one direction."
+    )
+    host_link_bandwidth: float = Field(
+        gt=0, description="Device <-> host memory bandwidth per device (PCIe), bytes/s, for offload."
+    )
+    link_latency_s: float = Field(default=10e-6, ge=0, description="Fixed latency of one transfer, seconds.")
+    compute_efficiency: float = Field(
+        default=0.5, gt=0, le=1, description="Achievable fraction of peak FLOP/s in training and prefill."
+    )
+    memory_efficiency: float = Field(
+        default=0.7, gt=0, le=1, description="Achievable fraction of memory bandwidth (memory-bound decode)."
+    )
+    link_efficiency: float = Field(
+        default=0.8, gt=0, le=1, description="Achievable fraction of link bandwidth in collectives."
+    )
+    op_overhead_s: float = Field(
+        default=0.0, ge=0, description="Fixed host overhead per executed instruction, seconds."
+    )
+    reserved_memory_fraction: float = Field(
+        default=0.1, ge=0, lt=1, description="Device memory kept free for the allocator, workspace and fragmentation."
+    )
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * (1.0 - self.reserved_memory_fraction)
+
+
+# Datasheet figures (NVIDIA H100, H200 and A100 datasheets): dense (not sparse) tensor-core peaks.
+# NVLink per-device figures are total bidirectional bandwidth / 2; inter-node assumes one 400 Gb/s
+# (H100/H200) or 200 Gb/s (A100) NIC per GPU.
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
+    "h100-sxm-80gb": HardwareSpec(
+        name="h100-sxm-80gb", peak_bf16_flops=989 * TFLOPS, peak_fp8_flops=1979 * TFLOPS,
+        memory_bytes=80 * GB, memory_bandwidth=3.35e12, intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB, host_link_bandwidth=55 * GB,
+    ),
+    "h200-141gb": HardwareSpec(
+        name="h200-141gb", peak_bf16_flops=989 * TFLOPS, peak_fp8_flops=1979 * TFLOPS,
+        memory_bytes=141 * GB, memory_bandwidth=4.8e12, intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB, host_link_bandwidth=55 * GB,
+    ),
+    "a100-sxm-80gb": HardwareSpec(
+        name="a100-sxm-80gb", peak_bf16_flops=312 * TFLOPS, peak_fp8_flops=0.0,
+        memory_bytes=80 * GB, memory_bandwidth=2.039e12, intra_node_bandwidth=300 * GB,
+        inter_node_bandwidth=25 * GB, host_link_bandwidth=25 * GB,
+    ),
+    # Uncalibrated defaults for a laptop-class CPU "device" (one rank = one process). `graphrl
+    # calibrate` replaces these with measured figures; plans stay deterministic either way.
+    "cpu-local": HardwareSpec(
+        name="cpu-local", kind="cpu", peak_bf16_flops=50e9, peak_fp8_flops=0.0,
+        memory_bytes=4 * GiB, memory_bandwidth=10 * GB, intra_node_bandwidth=2 * GB,
+        inter_node_bandwidth=1 * GB, host_link_bandwidth=10 * GB, link_latency_s=50e-6,
+        compute_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0, op_overhead_s=1e-3,
+        reserved_memory_fraction=0.0,
+    ),
+}

@@ -1,0 +1,245 @@
+"""The job: models, op nodes wired by port references, algorithm settings, schedule, placement, run.
+
+This is exactly what a user writes in YAML (or builds with `graphrl.builder.Job`). It holds no
+derived state: the graph, its types and its placement are computed by the compiler.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from graphrl.schemas.base import Frozen
+from graphrl.schemas.model import ModelSpec
+
+NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+_NAME = re.compile(NAME_PATTERN)
+_REF = re.compile(r"^(?P<node>[A-Za-z_][A-Za-z0-9_\-]*)\.(?P<port>[A-Za-z_][A-Za-z0-9_]*)$")
+
+Precision = Literal["bf16", "fp8"]
+Sharding = Literal["none", "zero1", "zero2", "fsdp"]
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """Split a port reference `node.port`; raise ValueError if malformed."""
+    match = _REF.match(ref)
+    if not match:
+        raise ValueError(f"port reference {ref!r} is not of the form 'node.port'")
+    return match["node"], match["port"]
+
+
+class _Node(Frozen):
+    description: str = Field(default="", description="Free text shown in graph renderings.")
+    inputs: dict[str, str] = Field(
+        default_factory=dict, description="Input port -> producing 'node.port'. Exactly one producer per port."
+    )
+
+    @field_validator("inputs")
+    @classmethod
+    def _refs(cls, inputs: dict[str, str]) -> dict[str, str]:
+        for port, ref in inputs.items():
+            parse_ref(ref)
+        return inputs
+
+
+class DatasetNode(_Node):
+    """Source of prompts: a registered task (e.g. `digits-copy`) or a `module:function` factory."""
+
+    op: Literal["dataset"] = "dataset"
+    task: str = Field(description="Registered task name or 'module:function' returning a task.")
+    batch_size: int = Field(gt=0, description="Prompts per step (global).")
+    prompt_len: int = Field(gt=0, description="Longest prompt in tokens; prompts are left-padded to it.")
+    options: dict[str, int | float | str | bool] = Field(
+        default_factory=dict, description="Task-specific options (e.g. num_digits)."
+    )
+
+
+class GenerateNode(_Node):
+    """Sample responses from a model (KV-cache autoregressive decoding)."""
+
+    op: Literal["generate"] = "generate"
+    model: str = Field(description="Model whose weights generate.")
+    samples_per_prompt: int = Field(default=1, gt=0, description="Responses per prompt (the GRPO group size).")
+    max_new_tokens: int = Field(gt=0, description="Longest response in tokens.")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+
+
+class LogprobNode(_Node):
+    """Per-token log-probabilities of the responses under a model (reference or old policy)."""
+
+    op: Literal["logprob"] = "logprob"
+    model: str = Field(description="Model whose log-probabilities are computed.")
+
+
+class ValueNode(_Node):
+    """Per-token value estimates from a critic."""
+
+    op: Literal["value"] = "value"
+    model: str = Field(description="Critic model.")
+
+
+class RewardNode(_Node):
+    """Score each response: a registered rule function, a `module:function`, or a reward model."""
+
+    op: Literal["reward"] = "reward"
+    fn: str | None = Field(default=None, description="Registered reward rule name or 'module:function'.")
+    model: str | None = Field(default=None, description="Reward model (instead of a rule function).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardNode":
+        if (self.fn is None) == (self.model is None):
+            raise ValueError("give exactly one of 'fn' (a rule function) or 'model' (a reward model)")
+        return self
+
+
+class AdvantageNode(_Node):
+    """Turn rewards (and values) into per-token advantages and returns."""
+
+    op: Literal["advantage"] = "advantage"
+    estimator: Literal["grpo", "gae", "rloo", "reinforce_pp"] = Field(description="Advantage estimator.")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
+    lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda.")
+    normalize: bool = Field(default=True, description="Divide group-relative advantages by their std (GRPO).")
+
+
+class TrainNode(_Node):
+    """One optimizer update of a model per step."""
+
+    op: Literal["train"] = "train"
+    model: str = Field(description="Model whose weights are updated.")
+    loss: Literal["ppo", "grpo", "aipo", "critic"] = Field(description="Loss function.")
+    lr: float | None = Field(default=None, gt=0, description="Learning rate; defaults to algorithm.lr.")
+
+
+NodeSpec = Annotated[
+    Union[DatasetNode, GenerateNode, LogprobNode, ValueNode, RewardNode, AdvantageNode, TrainNode],
+    Field(discriminator="op"),
+]
+
+
+class AlgorithmSpec(Frozen):
+    """Hyper-parameters shared by the losses and the optimizer."""
+
+    lr: float = Field(default=1e-5, gt=0, description="Adam learning rate.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="Adam betas.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    clip_eps: float = Field(default=0.2, gt=0, description="PPO/GRPO ratio clip epsilon.")
+    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the reference model.")
+    kl_estimator: Literal["k1", "k3"] = Field(default="k3", description="KL estimator (Schulman's k1 or k3).")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
+    aipo_rho: float = Field(
+        default=4.0, gt=1, description="AIPO truncation: importance weight min(pi/mu, rho) (typically 2..10)."
+    )
+    micro_batch_size: int = Field(default=0, ge=0, description="Responses per forward/backward; 0 = whole batch.")
+    updates_per_step: int = Field(default=1, gt=0, description="Optimizer steps per batch (PPO epochs).")
+    value_clip: float = Field(default=0.2, gt=0, description="Critic value clipping range.")
+
+
+class ScheduleSpec(Frozen):
+    """How steps are unrolled."""
+
+    mode: Literal["sync", "async"] = Field(
+        default="sync", description="'sync': generate(i) uses weights v=i; 'async': any v >= i - max_staleness."
+    )
+    max_staleness: int = Field(default=1, ge=0, description="Async only: how many versions a generate may lag.")
+    steps: int = Field(default=100, gt=0, description="Number of RL steps.")
+    checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint period in steps; 0 = only at the end.")
+
+
+class RoleHint(Frozen):
+    """Placement pins for one role (a model's training copy `policy`, or generation copy `policy/generate`)."""
+
+    devices: str | None = Field(
+        default=None, description="Device range 'first-last' (inclusive), e.g. '0-7'; unset = search."
+    )
+    dp: int | None = Field(default=None, gt=0, description="Data-parallel (replicated) size.")
+    fsdp: int | None = Field(default=None, gt=0, description="Sharded data-parallel size.")
+    tp: int | None = Field(default=None, gt=0, description="Tensor-parallel size.")
+    pp: int | None = Field(default=None, gt=0, description="Pipeline-parallel size.")
+    sharding: Literal["none", "zero1", "zero2", "fsdp"] | None = Field(
+        default=None, description="Training-state sharding over the data-parallel axis."
+    )
+    precision: Precision | None = Field(default=None, description="Generator weight precision.")
+    offload: bool | None = Field(default=None, description="Allow offloading this role's state to host memory.")
+
+    @field_validator("devices")
+    @classmethod
+    def _range(cls, devices: str | None) -> str | None:
+        if devices is not None:
+            parse_device_range(devices)
+        return devices
+
+
+def parse_device_range(text: str) -> tuple[int, int]:
+    """Parse 'a-b' (inclusive) or 'a' into a half-open (start, stop)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if not match:
+        raise ValueError(f"device range {text!r} is not of the form 'first-last', e.g. '0-7'")
+    first = int(match[1])
+    last = int(match[2]) if match[2] is not None else first
+    if last < first:
+        raise ValueError(f"device range {text!r} ends before it starts")
+    return first, last + 1
+
+
+class PlacementHints(Frozen):
+    """What the user pins; everything else the placement search decides."""
+
+    strategy: Literal["auto", "colocated", "disaggregated"] = Field(
+        default="auto", description="Restrict the search to one family of layouts."
+    )
+    colocate: list[list[str]] = Field(
+        default_factory=list, description="Groups of roles that must share devices."
+    )
+    roles: dict[str, RoleHint] = Field(
+        default_factory=dict, description="Per-role pins, keyed by 'model' or 'model/generate'."
+    )
+
+
+class RunSettings(Frozen):
+    """Settings of `graphrl run` that do not change the plan."""
+
+    seed: int = Field(default=0, description="Seed of every random number generator.")
+    out_dir: str | None = Field(default=None, description="Run folder; default 'runs/<job name>'.")
+    log_every: int = Field(default=1, gt=0, description="Print progress every N steps.")
+    tensorboard: bool = Field(default=True, description="Write TensorBoard scalars.")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where ranks compute.")
+    threads_per_rank: int = Field(default=1, gt=0, description="torch intra-op threads per rank process.")
+
+
+class JobSpec(Frozen):
+    """An RL job as a typed dataflow graph."""
+
+    name: str = Field(description="Job name; names the run folder.")
+    description: str = Field(default="", description="Free text.")
+    cluster: str | None = Field(
+        default=None,
+        description="Default cluster: a preset (local-cpu-1/2/4) or a YAML file relative to the job file.",
+    )
+    models: dict[str, ModelSpec] = Field(description="Weights by name (policy, reference, critic, ...).")
+    nodes: dict[str, NodeSpec] = Field(description="Op nodes by name, wired by their 'inputs'.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Loss and optimizer settings.")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Step unrolling.")
+    placement: PlacementHints = Field(default_factory=PlacementHints, description="Placement pins.")
+    run: RunSettings = Field(default_factory=RunSettings, description="Run-time settings.")
+
+    @field_validator("name")
+    @classmethod
+    def _job_name(cls, name: str) -> str:
+        if not _NAME.match(name):
+            raise ValueError(f"job name {name!r} must match {NAME_PATTERN}")
+        return name
+
+    @field_validator("models", "nodes")
+    @classmethod
+    def _names(cls, items: dict) -> dict:
+        if not items:
+            raise ValueError("must not be empty")
+        for name in items:
+            if not _NAME.match(name):
+                raise ValueError(f"name {name!r} must match {NAME_PATTERN}")
+        return items
