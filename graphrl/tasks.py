@@ -115,3 +115,17 @@ def resolve_callable(ref: str, registry: Registry, what: str) -> Callable:
     if not callable(fn):
         raise LookupError(f"module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+@dataclass(frozen=True)
+class SyntheticTokens:
+    """Uniformly random prompt tokens of full length: for capacity planning and throughput runs, not learning."""
+
+    vocab_size: int = VOCAB_SIZE
+
+    def sample(self, gen: torch.Generator, batch_size: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, self.vocab_size, (batch_size, prompt_len), generator=gen)
+        return ids, torch.ones((batch_size, prompt_len), dtype=torch.bool)
+
+
+TASKS.add("synthetic-tokens", lambda vocab_size=VOCAB_SIZE: SyntheticTokens(int(vocab_size)))

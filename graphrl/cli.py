@@ -1,0 +1,137 @@
+"""The `graphrl` command line.
+
+Every user error is printed as one or two lines (`place: message` and `fix: ...`) with exit code 2 and
+no traceback; `--debug` shows the traceback. Commands:
+
+  validate JOB          check a job (YAML or Python) and print a summary
+  schema                JSON Schema of the job file (for editors)
+  graph JOB             the job graph as text, Graphviz DOT or JSON
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from graphrl import __version__
+from graphrl.errors import GraphRLError, InternalError, JobError, Location
+from graphrl.ir import JobGraph, build_graph
+from graphrl.loader import LoadedJob, SourceMap, load_job
+from graphrl.schemas.job import JobSpec
+
+EXIT_USER_ERROR = 2
+
+
+class GraphRLGroup(click.Group):
+    """A click group that turns our errors into two-line messages with exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        debug = bool(ctx.params.get("debug")) or "--debug" in sys.argv
+        try:
+            return super().invoke(ctx)
+        except GraphRLError as exc:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"{exc.kind}: {exc.render()}", err=True)
+            ctx.exit(EXIT_USER_ERROR)
+        except InternalError as exc:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"internal error (a bug in graphrl; please report it): {exc}", err=True)
+            ctx.exit(1)
+
+
+def load_any(path: str) -> LoadedJob:
+    """A job from YAML, or from a Python file defining `build_job()` (or a `job` JobSpec)."""
+    p = Path(path)
+    if p.suffix != ".py":
+        return load_job(p)
+    if not p.exists():
+        raise JobError(f"file not found: {p}", fix="check the path")
+    try:
+        namespace = runpy.run_path(str(p))
+    except GraphRLError as exc:
+        raise exc.located(Location(str(p)))
+    except Exception as exc:
+        raise JobError(f"running the Python job raised {type(exc).__name__}: {exc}", location=Location(str(p)),
+                       fix="fix the script (rerun with --debug for the traceback)") from exc
+    factory: Callable[[], Any] | None = namespace.get("build_job")
+    spec = factory() if callable(factory) else namespace.get("job")
+    if not isinstance(spec, JobSpec):
+        raise JobError("a Python job file must define build_job() returning a JobSpec (or a `job` variable)",
+                       location=Location(str(p)), fix="see examples/grpo_tiny.py")
+    return LoadedJob(spec, SourceMap(str(p)), p)
+
+
+def checked_graph(job: LoadedJob) -> JobGraph:
+    """Build and typecheck the graph; errors are located in the job file."""
+    from graphrl.compiler.passes import CompileContext, run_passes
+    from graphrl.compiler.pipeline import FRONT
+
+    try:
+        graph = build_graph(job.spec)
+        return run_passes(graph, CompileContext(job.spec), FRONT)
+    except GraphRLError as exc:
+        if exc.path and exc.location is None:
+            exc.location = job.source.locate(exc.path)
+        raise
+
+
+def warn(graph: JobGraph) -> None:
+    for warning in graph.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+@click.group(cls=GraphRLGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="graphrl")
+@click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
+def main(debug: bool) -> None:
+    """graphrl: compile RL jobs for LLMs, written as typed dataflow graphs, into placed per-rank programs."""
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=True, path_type=str))
+def validate(job: str) -> None:
+    """Check JOB (a YAML file, or a Python file with build_job()) and print a one-line summary."""
+    loaded = load_any(job)
+    graph = checked_graph(loaded)
+    warn(graph)
+    n_nodes = sum(1 for _ in graph.nodes())
+    click.echo(
+        f"ok: {job}: job {loaded.spec.name!r}, {len(loaded.spec.models)} models, {n_nodes} nodes, "
+        f"{len(graph.data_edges())} data edges, {len(graph.weight_edges())} weight edges"
+    )
+
+
+@main.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to a file.")
+def schema(output: Path | None) -> None:
+    """Print the JSON Schema of the job file (for editors: yaml-language-server)."""
+    text = json.dumps(JobSpec.model_json_schema(), indent=2)
+    if output is None:
+        click.echo(text)
+    else:
+        output.write_text(text + "\n")
+        click.echo(f"wrote {output}")
+
+
+@main.command()
+@click.argument("job", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True)
+def graph(job: str, fmt: str) -> None:
+    """Print the typed job graph of JOB."""
+    from graphrl.render import dumps, graph_dot, graph_json, graph_text
+
+    g = checked_graph(load_any(job))
+    warn(g)
+    click.echo({"text": graph_text, "dot": graph_dot, "json": lambda g: dumps(graph_json(g))}[fmt](g))
+
+
+if __name__ == "__main__":
+    main()
