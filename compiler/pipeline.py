@@ -7,11 +7,16 @@ with the pass's name and the passes before it.
 from __future__ import annotations
 
 from graphrl.compiler.passes import Pass
+from graphrl.compiler.place import annotate_costs, place
 from graphrl.compiler.typecheck import typecheck
 
-# Front half: what `graphrl validate` runs. Needs only the job.
+# What `graphrl validate` runs: needs only the job.
 FRONT: tuple[Pass, ...] = (
-    typecheck,  # ports, schemas, symbolic shapes, one producer per input, acyclic data edges
+    typecheck,        # ports, schemas, symbolic shapes, one producer per input, acyclic data edges
 )
 
-PIPELINE: tuple[Pass, ...] = FRONT
+# What `graphrl compile` runs: needs the cluster and its hardware.
+PIPELINE: tuple[Pass, ...] = FRONT + (
+    annotate_costs,   # parameters and FLOPs per role and step
+    place,            # meshes and layouts per role; drops what does not fit; ranks by step time
+)

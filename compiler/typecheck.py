@@ -94,6 +94,8 @@ def _producers_of(graph: JobGraph, schema_fields: set[str]) -> list[str]:
 
 
 def _check_ports(graph: JobGraph) -> None:
+    # Missing inputs first: a missing input also leaves its would-be producer unconsumed, and the
+    # missing input is the mistake to report.
     for node in graph.nodes():
         ports = op_kind(node.spec).ports(node.spec)
         connected = {e.dst_port for e in graph.in_edges(node.name)}
@@ -105,6 +107,8 @@ def _check_ports(graph: JobGraph) -> None:
                     f"required input port {port!r} of {node.op} node {node.name!r} is not connected",
                     path=("nodes", node.name, "inputs"), fix=f"connect it, {hint}",
                 )
+    for node in graph.nodes():
+        ports = op_kind(node.spec).ports(node.spec)
         consumed = {e.src_port for e in graph.out_edges(node.name)}
         for port, out in ports.outputs.items():
             if out.must_consume and port not in consumed:

@@ -22,7 +22,7 @@ import click
 from graphrl import __version__
 from graphrl.errors import GraphRLError, InternalError, JobError, Location
 from graphrl.ir import JobGraph, build_graph
-from graphrl.loader import LoadedJob, SourceMap, load_job
+from graphrl.loader import LoadedJob, SourceMap, job_cluster, load_job
 from graphrl.schemas.job import JobSpec
 
 EXIT_USER_ERROR = 2
@@ -101,6 +101,8 @@ def validate(job: str) -> None:
     """Check JOB (a YAML file, or a Python file with build_job()) and print a one-line summary."""
     loaded = load_any(job)
     graph = checked_graph(loaded)
+    if loaded.spec.cluster is not None:  # the job's default cluster must resolve too
+        job_cluster(loaded, None)
     warn(graph)
     n_nodes = sum(1 for _ in graph.nodes())
     click.echo(
@@ -135,3 +137,47 @@ def graph(job: str, fmt: str) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _compile(job: str, cluster: str | None, **options):  # noqa: ANN201
+    from graphrl.compiler.compile import compile_job
+    from graphrl.loader import job_cluster
+
+    loaded = load_any(job)
+    return compile_job(loaded, job_cluster(loaded, cluster), **options)
+
+
+@main.command(name="compile")
+@click.argument("job", type=click.Path(path_type=str))
+@click.option("--cluster", "-c", help="Cluster preset (local-cpu-2 ...) or cluster YAML file; overrides the job's.")
+@click.option("--plan", "show_plan", is_flag=True, help="Print the plan preview (the default when -o is not given).")
+@click.option("--explain", is_flag=True, help="Also list the candidates considered and why each was rejected.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "html"]), default="text", show_default=True,
+              help="Preview format.")
+@click.option("--exhaustive", is_flag=True, help="Combine every generator and trainer layout (slower; small clusters).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the plan (msgpack) to this file; with --format html/json, write the preview here instead.")
+def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, fmt: str, exhaustive: bool,
+                output: Path | None) -> None:
+    """Compile JOB for a cluster: place every role, insert transfers, and preview the plan."""
+    from graphrl.compiler.preview import render_html, render_text
+    from graphrl.plan_io import save_plan
+
+    plan = _compile(job, cluster, exhaustive=exhaustive)
+    if output is not None and fmt == "text":
+        save_plan(plan, output)
+        click.echo(f"wrote {output} ({plan.chosen.label}, {plan.chosen.estimate.step_time_s:.4g} s/step predicted)",
+                   err=True)
+        if not show_plan:
+            return
+    if fmt == "json":
+        out = json.dumps(plan.preview_dict(), indent=2)
+    elif fmt == "html":
+        out = render_html(plan)
+    else:
+        out = render_text(plan, explain=explain)
+    if output is not None and fmt != "text":
+        output.write_text(out)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(out)

@@ -76,19 +76,43 @@ def _read_text(path: Path, error: type[GraphRLError]) -> str:
     return text
 
 
+# Aliases can make a small file expand into billions of values ("billion laughs"); refuse past this.
+MAX_VALUES = 1_000_000
+
+
+def _scalar(node: yaml.Node, path: Path_, source: SourceMap, error: type[GraphRLError]) -> Any:
+    """A scalar resolved with the safe loader's rules; a tag it cannot construct is a located error."""
+    if node.tag == "tag:yaml.org,2002:str":
+        return node.value
+    try:
+        return yaml.safe_load(yaml.serialize(node))
+    except (yaml.YAMLError, ValueError, TypeError) as exc:  # `!!int abc` raises ValueError, `!foo` a YAMLError
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise error(f"invalid YAML value {node.value!r} (tag {node.tag}): {problem}", path=path,
+                    location=Location(source.file, node.start_mark.line + 1, node.start_mark.column + 1),
+                    fix="remove the tag and write a plain value") from None
+
+
 def _to_python(node: yaml.Node, path: Path_, source: SourceMap, error: type[GraphRLError]) -> Any:
     source.positions[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if len(source.positions) > MAX_VALUES:
+        raise error(f"the YAML expands to more than {MAX_VALUES} values (through aliases?)",
+                    location=Location(source.file, node.start_mark.line + 1, node.start_mark.column + 1),
+                    fix="write the job without deeply nested aliases")
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 raise error("a mapping key must be a plain value", path=path,
                             location=Location(source.file, key_node.start_mark.line + 1, key_node.start_mark.column + 1))
-            key = yaml.safe_load(yaml.serialize(key_node)) if key_node.tag != "tag:yaml.org,2002:str" else key_node.value
+            key_at = Location(source.file, key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            # PyYAML tags '<<' as a merge key, which no scalar constructor accepts: test the tag first.
+            key = "<<" if key_node.tag == "tag:yaml.org,2002:merge" else _scalar(key_node, path, source, error)
             if key == "<<":
-                raise error("YAML merge keys ('<<') are not supported", path=path,
-                            location=Location(source.file, key_node.start_mark.line + 1, key_node.start_mark.column + 1),
+                raise error("YAML merge keys ('<<') are not supported", path=path, location=key_at,
                             fix="write the keys out")
+            if key is None:
+                raise error("a key is empty (null)", path=path, location=key_at, fix="write the name of the key")
             if not isinstance(key, (str, int)):
                 key = str(key)
             if key in out:
@@ -101,7 +125,7 @@ def _to_python(node: yaml.Node, path: Path_, source: SourceMap, error: type[Grap
     if isinstance(node, yaml.SequenceNode):
         return [_to_python(item, path + (i,), source, error) for i, item in enumerate(node.value)]
     # Scalars: resolve with the safe loader's rules (ints, floats, bools, nulls, strings).
-    return yaml.safe_load(yaml.serialize(node)) if node.tag != "tag:yaml.org,2002:str" else node.value
+    return _scalar(node, path, source, error)
 
 
 def parse_yaml(text: str, file: str | None, error: type[GraphRLError]) -> tuple[Any, SourceMap]:
@@ -252,7 +276,7 @@ def load_cluster(ref: str | Path, base_dir: Path | None = None) -> ClusterSpec:
     if name in CLUSTER_PRESETS:
         return CLUSTER_PRESETS[name]
     path = Path(name)
-    if not path.is_absolute() and base_dir is not None and not path.exists():
+    if not path.is_absolute() and base_dir is not None:  # relative to the job file, never to the cwd
         path = base_dir / path
     if not path.exists():
         raise ClusterError(

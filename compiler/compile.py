@@ -1,0 +1,33 @@
+"""`compile_job`: job + cluster -> Plan, through the pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphrl.errors import GraphRLError
+from graphrl.ir import build_graph
+from graphrl.loader import LoadedJob
+from graphrl.schemas.cluster import ClusterSpec
+from graphrl.schemas.plan import Plan
+
+from graphrl.compiler.hardware import resolve_hardware
+from graphrl.compiler.passes import CompileContext, run_passes
+from graphrl.compiler.pipeline import PIPELINE
+
+
+def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **options: Any) -> Plan:
+    """Run the whole pipeline; user errors are located in the job file."""
+    hardware = resolve_hardware(cluster)
+    ctx = CompileContext(job.spec, cluster, hardware, dict(options))
+    try:
+        graph = run_passes(build_graph(job.spec), ctx, PIPELINE, check=check)
+    except GraphRLError as exc:
+        if exc.path and exc.location is None:
+            exc.location = job.source.locate(exc.path)
+        raise
+    placement = graph["placement"]
+    return Plan(
+        job=job.spec, cluster=cluster, hardware=hardware, chosen=placement["chosen"],
+        baseline=placement["baseline"], candidates_considered=placement["considered"],
+        candidates=placement["candidates"],
+    )

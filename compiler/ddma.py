@@ -1,0 +1,562 @@
+"""DDMA weight sync: plan the point-to-point copies from the trainer's shards to the generator's.
+
+After a training step the trainer holds the new weights in its layout (say fsdp x tp); every
+generator copy needs them in its own layout (say dp x tp), maybe on other devices. The planner
+intersects, per parameter, every destination rank's region with the source shards and emits
+direct rank-to-rank copies: each byte a destination lacks crosses a link exactly once, bytes a
+destination already holds are copied locally, and nothing is gathered or broadcast first.
+
+How it stays fast at 405B scale (1,140 parameters, 512 -> 512 ranks): parameters with the same
+shape, placements and pp stages form one geometry class (all `q_proj` of a stage, ...). The
+intersection geometry is computed once per class on distinct regions, not per parameter or
+rank, and a (sender, receiver) pair's bucket contents are built once per distinct content and
+shared between the pairs that carry the same slices (the dp replicas of a generator).
+
+Choices, all deterministic:
+- Senders: where several source ranks hold a piece (replicas), the least-loaded one sends it
+  (bytes sent so far, then lowest rank), largest items first. A class's parameters are dealt
+  out in up to `ceil(#holders / #receivers)` groups so that few receivers still spread over all
+  replicas.
+- Buckets: one flat buffer per (src, dst) pair and at most `bucket_bytes` long; slices go in in
+  parameter order, a slice that does not fit starts a new bucket, and a slice longer than a
+  whole bucket is cut (rows first) to fill buckets exactly.
+- Rounds: a bucket is an edge of the bipartite multigraph senders x receivers; a proper edge
+  colouring (König; alternating-path recolouring) gives exactly max-degree rounds, the least
+  possible when no rank sends or receives two buckets at once. Largest buckets are coloured first.
+- Bytes on the wire are source bytes: a precision change (bf16 -> fp8) happens on the receiver.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from itertools import chain, product
+from math import ceil, prod
+from operator import itemgetter
+from typing import Any, Iterator, Sequence
+
+from graphrl.compiler.layout import (
+    LayoutFn,
+    Mesh,
+    MeshAxis,
+    ParamInfo,
+    Region,
+    normalize_layout,
+    pp_stage,
+    region_of,
+    region_size,
+)
+from graphrl.errors import JobError, PlacementError
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """One box of one parameter, in full-tensor coordinates on both sides (they are the same box)."""
+
+    param: str
+    src_region: Region
+    dst_region: Region
+
+    @property
+    def num_elements(self) -> int:
+        return region_size(self.dst_region)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One flat buffer from `src` to `dst`: its slices packed in order. src == dst is a local copy."""
+
+    src: int
+    dst: int
+    slices: tuple[Slice, ...]
+    num_bytes: int  # at the source's bytes per element (what crosses the link)
+
+
+@dataclass(frozen=True)
+class TransferRound:
+    """Buckets that move at once: no rank sends two of them, no rank receives two of them."""
+
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.num_bytes for b in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((b.num_bytes for b in self.buckets), default=0)
+
+
+@dataclass(frozen=True)
+class WeightSyncPlan:
+    """Every copy one weight sync makes. Dicts are read-only by convention."""
+
+    rounds: tuple[TransferRound, ...]
+    local_copies: tuple[Bucket, ...]  # one per rank that keeps some of its own bytes, src == dst
+    total_bytes: int  # bytes over links, summed over buckets
+    bytes_per_src: dict[int, int]  # link bytes sent, per rank that sends any
+    bytes_per_dst: dict[int, int]  # link bytes received, per rank that receives any
+    # Sum over destination ranks and parameters of the bytes of the rank's region it does not
+    # hold itself in the source layout: what must cross a link at least once. A plan that moves
+    # each byte once has total_bytes == lower_bound_bytes.
+    lower_bound_bytes: int
+    local_bytes: int  # bytes copied rank-locally (no link)
+    src_bytes_per_elem: int
+    dst_bytes_per_elem: int
+    bucket_bytes: int  # the bucket size limit the plan was made with
+
+    @property
+    def is_noop(self) -> bool:
+        """Nothing crosses a link: same layout on the same devices (an in-place reshard)."""
+        return not self.rounds
+
+    @property
+    def num_buckets(self) -> int:
+        return sum(len(r.buckets) for r in self.rounds)
+
+    def buckets(self) -> Iterator[Bucket]:
+        """Every link bucket, round by round."""
+        for r in self.rounds:
+            yield from r.buckets
+
+    def balance(self) -> float:
+        """max / mean link bytes over the ranks that send anything (1.0 = perfectly even; 1.0 if none)."""
+        loads = [b for b in self.bytes_per_src.values() if b > 0]
+        return max(loads) / (sum(loads) / len(loads)) if loads else 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+# A piece of one class handed to one pair: (class index, box, first param, end param) where the
+# params are positions in the class's parameter list.
+_Entry = tuple[int, Region, int, int]
+
+
+@dataclass
+class _Class:
+    """Parameters that share shape, placements and pp stages, hence all intersection geometry."""
+
+    shape: tuple[int, ...]
+    param_ids: list[int]
+    src_groups: dict[Region, list[int]]  # distinct source region -> ranks that hold it
+    dst_groups: dict[Region, list[int]]  # distinct destination region -> ranks that need it
+
+
+def plan_weight_sync(
+    params: Sequence[ParamInfo],
+    *,
+    src_mesh: Mesh,
+    src_layout: LayoutFn,
+    dst_mesh: Mesh,
+    dst_layout: LayoutFn,
+    src_bytes_per_elem: int = 2,
+    dst_bytes_per_elem: int | None = None,
+    bucket_bytes: int = 1 << 30,
+) -> WeightSyncPlan:
+    """Plan one weight sync from the source (trainer) layout to the destination (generator) layout.
+
+    `src_layout` / `dst_layout` give each parameter's placement on its mesh (e.g.
+    `llama_param_layout`); `bucket_bytes` caps one (src, dst) buffer. See the module docstring
+    for the choices made; the output is the same for the same input.
+    """
+    dst_bytes_per_elem = src_bytes_per_elem if dst_bytes_per_elem is None else dst_bytes_per_elem
+    if src_bytes_per_elem < 1 or dst_bytes_per_elem < 1:
+        raise JobError(f"bytes per element must be >= 1 (got {src_bytes_per_elem}, {dst_bytes_per_elem})")
+    if bucket_bytes < src_bytes_per_elem:
+        raise JobError(
+            f"weight sync bucket size {bucket_bytes} B is smaller than one element ({src_bytes_per_elem} B)",
+            fix="use a bucket size of at least a few MiB",
+        )
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise PlacementError(f"weight sync: parameter names repeat: {dup[:5]}")
+
+    classes = _classify(params, src_mesh, src_layout, dst_mesh, dst_layout)
+    eb = src_bytes_per_elem
+
+    local: dict[int, list[_Entry]] = defaultdict(list)
+    pairs: dict[tuple[int, int], list[_Entry]] = defaultdict(list)
+    load: dict[int, int] = defaultdict(int)
+    choices: list[tuple[int, int, _Entry, int, tuple[int, ...]]] = []  # (-bytes, seq, entry, dst, holders)
+    lower_bound = 0
+
+    for ci, cls in enumerate(classes):
+        n = len(cls.param_ids)
+        own = {r: reg for reg, ranks in cls.src_groups.items() for r in ranks}
+        for dreg, dranks in cls.dst_groups.items():
+            dsize = region_size(dreg)
+            for r in dranks:
+                held = own.get(r)
+                lower_bound += (dsize - (0 if held is None else _overlap_size(dreg, held))) * n * eb
+            if dsize == 0:
+                continue
+            for sreg, box in _pieces(dreg, cls.src_groups):
+                holders = cls.src_groups[sreg]
+                holder_set = set(holders)
+                need = [r for r in dranks if r not in holder_set]
+                for r in dranks:
+                    if r in holder_set:
+                        local[r].append((ci, box, 0, n))
+                if not need:
+                    continue
+                elems = region_size(box)
+                if len(holders) == 1:
+                    (s,) = holders
+                    entry = (ci, box, 0, n)
+                    for r in need:
+                        pairs[(s, r)].append(entry)
+                    load[s] += elems * n * eb * len(need)
+                    continue
+                num_groups = min(n, max(1, ceil(len(holders) / len(need))))
+                for g in range(num_groups):
+                    lo, hi = (n * g) // num_groups, (n * (g + 1)) // num_groups
+                    for r in need:
+                        choices.append((-elems * (hi - lo) * eb, len(choices), (ci, box, lo, hi), r, tuple(holders)))
+
+    _assign_senders(choices, load, pairs)
+
+    entry_slices = _SliceCache(classes, params)
+    cache: dict[tuple[_Entry, ...], list[tuple[tuple[Slice, ...], int]]] = {}
+    buckets: list[Bucket] = []
+    bytes_per_src: dict[int, int] = defaultdict(int)
+    bytes_per_dst: dict[int, int] = defaultdict(int)
+    for (s, r) in sorted(pairs):
+        key = tuple(pairs[(s, r)])
+        chunks = cache.get(key)
+        if chunks is None:
+            chunks = cache[key] = _pack(key, entry_slices, eb, bucket_bytes)
+        for slices, num_bytes in chunks:
+            buckets.append(Bucket(s, r, slices, num_bytes))
+            bytes_per_src[s] += num_bytes
+            bytes_per_dst[r] += num_bytes
+
+    local_copies = []
+    local_cache: dict[tuple[_Entry, ...], list[tuple[tuple[Slice, ...], int]]] = {}
+    for r in sorted(local):
+        key = tuple(local[r])
+        chunks = local_cache.get(key)
+        if chunks is None:
+            chunks = local_cache[key] = _pack(key, entry_slices, eb, None)
+        ((slices, num_bytes),) = chunks
+        local_copies.append(Bucket(r, r, slices, num_bytes))
+
+    total = sum(b.num_bytes for b in buckets)
+    assert total == lower_bound, (total, lower_bound)
+    return WeightSyncPlan(
+        rounds=_schedule(buckets),
+        local_copies=tuple(local_copies),
+        total_bytes=total,
+        bytes_per_src=dict(bytes_per_src),
+        bytes_per_dst=dict(bytes_per_dst),
+        lower_bound_bytes=lower_bound,
+        local_bytes=sum(b.num_bytes for b in local_copies),
+        src_bytes_per_elem=src_bytes_per_elem,
+        dst_bytes_per_elem=dst_bytes_per_elem,
+        bucket_bytes=bucket_bytes,
+    )
+
+
+def _classify(
+    params: Sequence[ParamInfo], src_mesh: Mesh, src_layout: LayoutFn, dst_mesh: Mesh, dst_layout: LayoutFn
+) -> list[_Class]:
+    """Group parameters by geometry and compute each group's distinct regions on both meshes."""
+    by_key: dict[tuple, list[int]] = {}
+    for pid, p in enumerate(params):
+        key = (
+            tuple(p.shape),
+            normalize_layout(src_layout(p), src_mesh, p.shape, p.name),
+            normalize_layout(dst_layout(p), dst_mesh, p.shape, p.name),
+            pp_stage(p, src_mesh.size(MeshAxis.PP)),
+            pp_stage(p, dst_mesh.size(MeshAxis.PP)),
+        )
+        by_key.setdefault(key, []).append(pid)
+    groups_memo: dict[tuple, dict[Region, list[int]]] = {}
+
+    def groups(side: str, mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int) -> dict[Region, list[int]]:
+        memo_key = (side, shape, dim_axes, stage)
+        if memo_key not in groups_memo:
+            groups_memo[memo_key] = _rank_groups(mesh, shape, dim_axes, stage)
+        return groups_memo[memo_key]
+
+    return [
+        _Class(shape, pids, groups("src", src_mesh, shape, sa, ss), groups("dst", dst_mesh, shape, da, ds))
+        for (shape, sa, da, ss, ds), pids in by_key.items()
+    ]
+
+
+def _rank_groups(mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int) -> dict[Region, list[int]]:
+    """Distinct regions of one geometry on `mesh`, each with the ranks (of pp stage `stage`) holding it."""
+    sizes = [s for _, s in mesh.axes]
+    pp_pos = mesh.axis_position(MeshAxis.PP)
+    relevant = sorted(pos for positions in dim_axes for pos in positions)
+    memo: dict[tuple[int, ...], Region] = {}
+    out: dict[Region, list[int]] = {}
+    for rank, coords in mesh.coord_table():
+        if pp_pos is not None and coords[pp_pos] != stage:
+            continue
+        key = tuple(coords[p] for p in relevant)
+        region = memo.get(key)
+        if region is None:
+            region = memo[key] = region_of(shape, dim_axes, sizes, coords)
+        out.setdefault(region, []).append(rank)
+    return out
+
+
+def _pieces(dst_region: Region, src_groups: dict[Region, list[int]]) -> Iterator[tuple[Region, Region]]:
+    """(source region, dst_region ∩ source region) for every non-empty overlap.
+
+    The source regions of one geometry form a grid (each dim is cut independently), so overlaps
+    are found per dim and combined.
+    """
+    per_dim = []
+    for d, (a, b) in enumerate(dst_region):
+        cuts = sorted({reg[d] for reg in src_groups})
+        per_dim.append([((s, e), (max(a, s), min(b, e))) for s, e in cuts if s < e and s < b and e > a])
+    for combo in product(*per_dim):
+        sreg = tuple(c[0] for c in combo)
+        if sreg in src_groups:
+            yield sreg, tuple(c[1] for c in combo)
+
+
+def _overlap_size(a: Region, b: Region) -> int:
+    return prod(max(0, min(y, q) - max(x, p)) for (x, y), (p, q) in zip(a, b))
+
+
+# A holder that already sends to a receiver is preferred over the least-loaded holder when its
+# load is within this fraction of the least: one bucket fewer, nearly no imbalance (small items
+# such as norms come last and would otherwise open a new pair each).
+AFFINITY_SLACK = 0.02
+
+
+def _assign_senders(
+    choices: list[tuple[int, int, _Entry, int, tuple[int, ...]]],
+    load: dict[int, int],
+    pairs: dict[tuple[int, int], list[_Entry]],
+) -> None:
+    """Greedy least-loaded sender per item, largest items first (LPT); ties go to the lowest rank."""
+    choices.sort(key=itemgetter(0, 1))
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for neg_bytes, _, entry, r, holders in choices:
+        heap = heaps.get(holders)
+        if heap is None:
+            heap = heaps[holders] = [(load[s], s) for s in holders]
+            heapq.heapify(heap)
+        # Entries may be stale (another holder set raised a load): loads only grow, so refresh
+        # the top until it is current; then it is the true minimum.
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        least, s = heap[0]
+        if (s, r) not in pairs:
+            paired = [h for h in holders if (h, r) in pairs and load[h] <= least * (1 + AFFINITY_SLACK)]
+            if paired:
+                s = min(paired, key=lambda h: (load[h], h))
+        load[s] += -neg_bytes
+        pairs[(s, r)].append(entry)
+
+
+def _pack(
+    entries: tuple[_Entry, ...], entry_slices: "_SliceCache", eb: int, limit: int | None
+) -> list[tuple[tuple[Slice, ...], int]]:
+    """One pair's slices packed into buckets of at most `limit` bytes (one bucket if None).
+
+    Slices go in class by class (classes in order of their first parameter), parameters in order
+    within a class. A slice that does not fit starts a new bucket; one longer than a whole bucket
+    is cut to fill buckets exactly.
+    """
+    entries = tuple(sorted(entries, key=itemgetter(0, 2)))
+    if limit is None:
+        parts = [entry_slices(e) for e in entries]
+        num_bytes = sum(region_size(e[1]) * eb * (e[3] - e[2]) for e in entries)
+        return [(tuple(chain.from_iterable(parts)), num_bytes)]
+
+    chunks: list[tuple[tuple[Slice, ...], int]] = []
+    current: list[Sequence[Slice]] = []
+    room = limit
+
+    def close() -> None:
+        nonlocal current, room
+        if current:
+            chunks.append((tuple(chain.from_iterable(current)), limit - room))
+        current, room = [], limit
+
+    for entry in entries:
+        slices = entry_slices(entry)
+        nb = region_size(entry[1]) * eb
+        if nb <= limit:
+            i = 0
+            while i < len(slices):
+                k = min(len(slices) - i, room // nb)
+                if k == 0:
+                    close()
+                    continue
+                current.append(slices[i : i + k])
+                room -= k * nb
+                i += k
+            continue
+        for whole in slices:  # each longer than a bucket: cut it
+            todo = deque([whole.src_region])
+            while todo:
+                part = todo.popleft()
+                pb = region_size(part) * eb
+                if pb <= room:
+                    current.append((Slice(whole.param, part, part),))
+                    room -= pb
+                elif pb <= limit or room < eb:
+                    close()
+                    todo.appendleft(part)
+                else:
+                    head, tails = _carve(part, room // eb)
+                    todo.extendleft(reversed(tails))
+                    todo.appendleft(head)
+    close()
+    return chunks
+
+
+class _SliceCache:
+    """The slices of one entry (one box of a run of a class's parameters), built once."""
+
+    def __init__(self, classes: list[_Class], params: Sequence[ParamInfo]) -> None:
+        self._names = [[params[pid].name for pid in cls.param_ids] for cls in classes]
+        self._made: dict[_Entry, tuple[Slice, ...]] = {}
+
+    def __call__(self, entry: _Entry) -> tuple[Slice, ...]:
+        made = self._made.get(entry)
+        if made is None:
+            ci, box, lo, hi = entry
+            made = self._made[entry] = tuple([Slice(name, box, box) for name in self._names[ci][lo:hi]])
+        return made
+
+
+def _carve(box: Region, max_elems: int) -> tuple[Region, list[Region]]:
+    """Split `box` into a leading box of at most `max_elems` (>= 1) elements and boxes for the rest.
+
+    The head takes as many whole rows of the outermost dim as fit; if not even one fits, it fixes
+    that dim and recurses inward. The rest is the usual staircase of at most ndim boxes.
+    """
+    extents = [b - a for a, b in box]
+    d = 0
+    inner = prod(extents[1:])
+    while inner > max_elems:
+        d += 1
+        inner = prod(extents[d + 1 :])
+    k = min(extents[d], max_elems // inner)
+    fixed = [(a, a + 1) for a, _ in box[:d]]
+    a_d, b_d = box[d]
+    head = tuple(fixed) + ((a_d, a_d + k),) + box[d + 1 :]
+    tails = []
+    if a_d + k < b_d:
+        tails.append(tuple(fixed) + ((a_d + k, b_d),) + box[d + 1 :])
+    for j in range(d - 1, -1, -1):
+        a_j, b_j = box[j]
+        if a_j + 1 < b_j:
+            tails.append(tuple(fixed[:j]) + ((a_j + 1, b_j),) + box[j + 1 :])
+    return head, tails
+
+
+def _schedule(buckets: list[Bucket]) -> tuple[TransferRound, ...]:
+    """Colour buckets into rounds: Δ rounds, Δ = most buckets any rank sends or receives (König)."""
+    if not buckets:
+        return ()
+    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i].num_bytes, i))
+    colours = _edge_colouring([(2 * b.src, 2 * b.dst + 1) for b in buckets], order)
+    rounds: dict[int, list[Bucket]] = defaultdict(list)
+    for b, c in zip(buckets, colours):
+        rounds[c].append(b)
+    return tuple(
+        TransferRound(tuple(sorted(rounds[c], key=lambda b: (b.src, b.dst)))) for c in sorted(rounds)
+    )
+
+
+def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[int]:
+    """Proper edge colouring of a bipartite multigraph with max-degree (Δ) colours.
+
+    For edge (u, v), in `order`: the smallest colour free at both ends, if it is below Δ (first
+    fit, on bitmasks). Otherwise take a free at u and b free at v (both < Δ); if neither is free
+    at the other end, swap a and b along the a/b alternating path that starts at v (it cannot
+    reach u in a bipartite graph), after which a is free at both.
+    """
+    degree: dict[int, int] = defaultdict(int)
+    for u, v in edges:
+        degree[u] += 1
+        degree[v] += 1
+    max_degree = max(degree.values())
+    at: dict[int, dict[int, int]] = defaultdict(dict)  # vertex -> colour -> edge
+    used: dict[int, int] = defaultdict(int)  # vertex -> bitmask of colours in use
+    colour = [-1] * len(edges)
+
+    def lowest_free(mask: int) -> int:
+        return ((mask + 1) & ~mask).bit_length() - 1
+
+    for e in order:
+        u, v = edges[e]
+        c = lowest_free(used[u] | used[v])
+        if c >= max_degree:
+            a, b = lowest_free(used[u]), lowest_free(used[v])
+            if not used[v] >> a & 1:
+                c = a
+            elif not used[u] >> b & 1:
+                c = b
+            else:
+                path, x, want = [], v, a
+                while want in at[x]:
+                    f = at[x][want]
+                    path.append(f)
+                    fu, fv = edges[f]
+                    x = fv if fu == x else fu
+                    want = b if want == a else a
+                for f in path:
+                    fu, fv = edges[f]
+                    del at[fu][colour[f]], at[fv][colour[f]]
+                for f in path:
+                    fu, fv = edges[f]
+                    colour[f] = b if colour[f] == a else a
+                    at[fu][colour[f]] = f
+                    at[fv][colour[f]] = f
+                # Interior vertices keep both colours; the ends each trade one for the other.
+                swap = (1 << a) | (1 << b)
+                used[v] ^= swap
+                used[x] ^= swap
+                c = a
+        colour[e] = c
+        at[u][c] = e
+        at[v][c] = e
+        used[u] |= 1 << c
+        used[v] |= 1 << c
+    return colour
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def plan_summary(plan: WeightSyncPlan) -> dict[str, Any]:
+    """JSON-able numbers that describe a plan (for previews and benchmarks)."""
+    loads = [b for b in plan.bytes_per_src.values() if b > 0]
+    recv = [b for b in plan.bytes_per_dst.values() if b > 0]
+    buckets = list(plan.buckets())
+    return {
+        "num_rounds": len(plan.rounds),
+        "num_buckets": len(buckets),
+        "num_pairs": len({(b.src, b.dst) for b in buckets}),
+        "num_senders": len(loads),
+        "num_receivers": len(recv),
+        "total_bytes": plan.total_bytes,
+        "lower_bound_bytes": plan.lower_bound_bytes,
+        "local_bytes": plan.local_bytes,
+        "max_bytes_per_src": max(loads, default=0),
+        "mean_bytes_per_src": sum(loads) / len(loads) if loads else 0.0,
+        "max_bytes_per_dst": max(recv, default=0),
+        "mean_bytes_per_dst": sum(recv) / len(recv) if recv else 0.0,
+        "balance": plan.balance(),
+        "max_bucket_bytes": max((b.num_bytes for b in buckets), default=0),
+        "bucket_bytes_limit": plan.bucket_bytes,
+        # Each round lasts about as long as its largest bucket: a serial-time proxy in bytes.
+        "sum_round_max_bytes": sum(r.max_bucket_bytes for r in plan.rounds),
+        "is_noop": plan.is_noop,
+        "src_bytes_per_elem": plan.src_bytes_per_elem,
+        "dst_bytes_per_elem": plan.dst_bytes_per_elem,
+    }

@@ -1,0 +1,143 @@
+"""Human views of a plan: rich tables for the terminal and a self-contained HTML page (inline SVG).
+
+Both show the same figures as `Plan.preview_dict()` (the JSON format): meshes, role placements with
+per-device memory against capacity, inserted operations, the predicted step time by phase, and the
+colocated-synchronous baseline beside it with the ratio.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from graphrl.schemas.plan import Layout, Plan
+
+GB = 1e9
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+def _layout_tables(layout: Layout, title: str) -> list[Table]:
+    meshes = Table(title=f"{title}: meshes", box=box.SIMPLE_HEAVY, title_justify="left")
+    for col in ("mesh", "devices", "axes"):
+        meshes.add_column(col)
+    for m in layout.meshes:
+        axes = " x ".join(f"{k}={v}" for k, v in m.axes.items() if v > 1) or "single device"
+        meshes.add_row(m.name, f"{m.device_range()} ({m.num_devices})", axes)
+
+    caps = {d.mesh: d.capacity_bytes for d in layout.device_memory}
+    roles = Table(title=f"{title}: roles (memory per device)", box=box.SIMPLE_HEAVY, title_justify="left")
+    for col in ("role", "kind", "mesh", "layout", "prec", "params", "grads", "optim", "activ", "kv", "total", "offload"):
+        roles.add_column(col, no_wrap=col in ("role", "layout", "offload"), justify="right" if col in ("params", "grads", "optim", "activ", "kv", "total") else "left")
+    for p in layout.placements:
+        par = " ".join(f"{k}{v}" for k, v in (("dp", p.dp), ("fsdp", p.fsdp), ("tp", p.tp), ("pp", p.pp)) if v > 1) or "-"
+        if p.kind == "train":
+            par += f" {p.sharding}"
+        m = p.memory_bytes
+        roles.add_row(p.role, p.kind, p.mesh, par, p.precision, human_bytes(m.params), human_bytes(m.grads),
+                      human_bytes(m.optimizer), human_bytes(m.activations), human_bytes(m.kv_cache),
+                      human_bytes(m.total), ",".join(p.offload) or "-")
+
+    mem = Table(title=f"{title}: device memory at peak", box=box.SIMPLE_HEAVY, title_justify="left")
+    for col in ("mesh", "peak", "capacity", "used", ""):
+        mem.add_column(col)
+    for d in layout.device_memory:
+        frac = d.peak_bytes / caps[d.mesh]
+        bar = "█" * int(round(frac * 30)) + "░" * (30 - int(round(frac * 30)))
+        mem.add_row(d.mesh, human_bytes(d.peak_bytes), human_bytes(d.capacity_bytes), f"{frac:.0%}",
+                    Text(bar, style="red" if frac > 1 else "green"))
+
+    ops = Table(title=f"{title}: inserted operations (per step)", box=box.SIMPLE_HEAVY, title_justify="left")
+    for col in ("op", "from", "to", "bytes", "time", "detail"):
+        ops.add_column(col)
+    for o in layout.operations:
+        ops.add_row(o.kind, o.src, o.dst, human_bytes(o.num_bytes), human_seconds(o.time_s), o.detail)
+    return [meshes, roles, mem, ops] if layout.operations else [meshes, roles, mem]
+
+
+def _phase_table(plan: Plan) -> Table:
+    table = Table(title="predicted seconds per step", box=box.SIMPLE_HEAVY, title_justify="left")
+    table.add_column("phase")
+    table.add_column("chosen", justify="right")
+    if plan.baseline is not None:
+        table.add_column("baseline", justify="right")
+    names = list(plan.chosen.estimate.phases)
+    if plan.baseline is not None:
+        names += [k for k in plan.baseline.estimate.phases if k not in names]
+    for name in names:
+        row = [name, human_seconds(plan.chosen.estimate.phases[name]) if name in plan.chosen.estimate.phases else "-"]
+        if plan.baseline is not None:
+            b = plan.baseline.estimate.phases
+            row.append(human_seconds(b[name]) if name in b else "-")
+        table.add_row(*row)
+    row = ["step" + (" (async: generation overlaps training)" if plan.chosen.estimate.mode == "async" else ""),
+           human_seconds(plan.chosen.estimate.step_time_s)]
+    if plan.baseline is not None:
+        row.append(human_seconds(plan.baseline.estimate.step_time_s))
+    table.add_row(*row, style="bold")
+    return table
+
+
+def render_text(plan: Plan, *, explain: bool = False, width: int = 160) -> str:
+    console = Console(width=width, record=True, file=open("/dev/null", "w"), force_terminal=False, color_system=None)
+    head = (f"job {plan.job.name} on {plan.cluster.name}: {plan.cluster.num_devices} x {plan.hardware.name} "
+            f"({plan.cluster.num_nodes} nodes)\nchosen: {plan.chosen.label}  [{plan.chosen.estimate.mode}]")
+    parts: list = [Text(head, style="bold")]
+    parts += _layout_tables(plan.chosen, "chosen")
+    parts.append(_phase_table(plan))
+    if plan.baseline is not None:
+        speedup = plan.baseline.estimate.step_time_s / plan.chosen.estimate.step_time_s
+        parts.append(Text(f"baseline (colocated, synchronous, DeepSpeed-Chat-like): {plan.baseline.label}\n"
+                          f"predicted speed-up of the chosen plan over the baseline: {speedup:.2f}x", style="bold"))
+        if explain:
+            parts += _layout_tables(plan.baseline, "baseline")
+    parts.append(Text(f"{plan.candidates_considered} candidates considered "
+                      f"({plan.chosen.estimate.method} estimate)"))
+    if explain:
+        parts.append(explain_table(plan))
+    console.print(Group(*parts))
+    return console.export_text()
+
+
+def explain_table(plan: Plan) -> Table:
+    table = Table(title="candidates (best first, then rejected with the reason)", box=box.SIMPLE, title_justify="left")
+    for col in ("#", "candidate", "verdict"):
+        table.add_column(col)
+    for i, c in enumerate(plan.candidates, 1):
+        verdict = human_seconds(c.step_time_s) + "/step" if c.fits and c.step_time_s is not None else f"rejected: {c.reason}"
+        table.add_row(str(i), c.label, verdict)
+    return table
+
+
+_TEMPLATES = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
+    autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True, lstrip_blocks=True,
+)
+_TEMPLATES.filters["bytes"] = human_bytes
+_TEMPLATES.filters["seconds"] = human_seconds
+
+
+def render_html(plan: Plan) -> str:
+    """A self-contained page: no scripts, stylesheets or fonts from elsewhere."""
+    data = plan.preview_dict()
+    layouts = [("chosen", plan.chosen)] + ([("baseline", plan.baseline)] if plan.baseline else [])
+    return _TEMPLATES.get_template("plan.html.j2").render(plan=plan, data=data, layouts=layouts,
+                                                          num_devices=plan.cluster.num_devices)

@@ -1,0 +1,98 @@
+"""Roles and the per-step workload, derived from the typed graph.
+
+A role is one copy of a model's weights used for one purpose: a trained model's training copy (`policy`,
+kind `train`), its generation copy (`policy/generate`, kind `generate`), or a frozen model used only for
+forward passes (`reference`, kind `infer`). Placement assigns roles, not ops, to devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphrl.errors import JobError
+from graphrl.ir import JobGraph
+from graphrl.schemas.model import ModelDims
+
+from graphrl.schemas.plan import RoleKind
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    model: str
+    kind: RoleKind
+    dims: ModelDims
+    ops: tuple[str, ...]
+    weight_bytes: int  # bytes per parameter of the compute weights (dtype)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sizes of one RL step (global, all ranks together)."""
+
+    prompts: int  # B
+    samples_per_prompt: int  # G
+    prompt_len: int  # P
+    response_len: int  # R
+    micro_batch: int  # responses per forward/backward (0 = whole local batch)
+    updates_per_step: int
+
+    @property
+    def responses(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def tokens(self) -> int:
+        return self.responses * self.seq_len
+
+
+def generation_role(model: str) -> str:
+    return f"{model}/generate"
+
+
+def derive_roles(graph: JobGraph) -> list[Role]:
+    """Roles in a stable order: trained models first (train copy, then generate copy), then frozen ones."""
+    job = graph.job
+    trained = {n.spec.model for n in graph.nodes() if n.op == "train"}
+    roles: list[Role] = []
+    for model, mspec in job.models.items():
+        ops = [n for n in graph.nodes() if n.model == model]
+        if not ops:
+            continue
+        dims = mspec.resolved_dims()
+        wbytes = _DTYPE_BYTES[mspec.dtype]
+        gen_ops = tuple(n.name for n in ops if n.op == "generate")
+        other_ops = tuple(n.name for n in ops if n.op != "generate")
+        if model in trained:
+            roles.append(Role(model, model, "train", dims, other_ops, wbytes))
+            if gen_ops:
+                roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes))
+        else:
+            if other_ops:
+                roles.append(Role(model, model, "infer", dims, other_ops, wbytes))
+            if gen_ops:
+                roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes))
+    order = {"train": 0, "generate": 1, "infer": 2}
+    return sorted(roles, key=lambda r: (order[r.kind], list(job.models).index(r.model)))
+
+
+def derive_workload(graph: JobGraph) -> Workload:
+    gens = [n for n in graph.nodes() if n.op == "generate"]
+    if len(gens) != 1:
+        raise JobError(
+            f"placement supports exactly one generate node per job, found {len(gens)}",
+            path=("nodes",), fix="use one generate node (several samples per prompt via samples_per_prompt)",
+        )
+    gen = gens[0]
+    sizes = graph["types"][gen.name]
+    alg = graph.job.algorithm
+    return Workload(
+        prompts=sizes["B"], samples_per_prompt=gen.spec.samples_per_prompt, prompt_len=sizes["P"],
+        response_len=sizes["R"], micro_batch=alg.micro_batch_size, updates_per_step=alg.updates_per_step,
+    )

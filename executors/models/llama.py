@@ -1,0 +1,700 @@
+"""A native PyTorch Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) for RL on LLMs.
+
+Why not `transformers`: an RL job needs three things from its model and they must agree to the last
+bit of arithmetic: sampling with a KV cache (`generate`), teacher-forced log-probs of the sampled
+tokens (`token_logprobs`) and a critic on the same trunk (`LlamaCritic`). Owning ~400 lines makes
+that agreement testable and keeps the model free of framework state.
+
+Parameter names are exactly Hugging Face `LlamaForCausalLM`'s (`model.layers.{i}.self_attn.q_proj.weight`,
+...), so HF checkpoints load with `load_state_dict` and the weight-sync planner can reason about names
+and shapes from `param_shapes(dims)` without building a model.
+
+Conventions: B sequences, T tokens per forward, P prompt tokens, R response tokens, V vocabulary,
+S key slots. Masks are bool, True = real token. Prompts are left-padded (the last prompt column is a
+real token of every row); responses are right-padded (True up to and including EOS). Position ids
+count real tokens only (`cumsum(mask) - 1`), so padding never changes a real token's result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from graphrl.errors import GraphRLError
+from graphrl.schemas.model import ModelDims
+
+# `enable_gqa` lets SDPA read the un-repeated K/V heads; without it (torch < 2.5) we repeat K/V,
+# which costs a copy of the whole cache per decode step.
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+Head = Literal["lm", "value"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; statistics in float32 as in HF so bf16 models match it."""
+
+    def __init__(self, hidden_size: int, eps: float, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, **factory))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        input_dtype = x.dtype
+        x_f32 = x.float()
+        x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_f32.to(input_dtype)
+
+
+def rope_cos_sin(positions_bt: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, T, head_dim] for rotate-half RoPE (HF Llama layout: frequencies repeated twice).
+
+    Angles are computed in float32 whatever the model dtype: at long positions bf16 angles are wrong
+    by whole radians.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=positions_bt.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles_btf = positions_bt.float()[..., None] * inv_freq
+    angles_btd = torch.cat((angles_btf, angles_btf), dim=-1)
+    return angles_btd.cos().to(dtype), angles_btd.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x_bhtd: Tensor, cos_btd: Tensor, sin_btd: Tensor) -> Tensor:
+    """Rotate query/key heads by their positions' angles."""
+    cos = cos_btd[:, None]
+    sin = sin_btd[:, None]
+    return x_bhtd * cos + _rotate_half(x_bhtd) * sin
+
+
+@dataclass
+class KVCache:
+    """A preallocated (static) key/value cache for all layers.
+
+    `length` slots are filled; slot s of row b holds a real token iff `key_valid_bs[b, s]`.
+    `num_valid_b` counts the real tokens of each row so far: the next real token's position id.
+    """
+
+    keys_lbhsd: Tensor
+    values_lbhsd: Tensor
+    key_valid_bs: Tensor
+    num_valid_b: Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(
+        cls, dims: ModelDims, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> "KVCache":
+        shape = (dims.num_layers, batch_size, dims.num_kv_heads, max_len, dims.head_dim)
+        return cls(
+            keys_lbhsd=torch.zeros(shape, dtype=dtype, device=device),
+            values_lbhsd=torch.zeros(shape, dtype=dtype, device=device),
+            key_valid_bs=torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
+            num_valid_b=torch.zeros(batch_size, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys_lbhsd.shape[3]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads."""
+
+    def __init__(self, dims: ModelDims, layer_index: int, **factory: Any) -> None:
+        super().__init__()
+        self.num_heads = dims.num_heads
+        self.num_kv_heads = dims.num_kv_heads
+        self.head_dim = dims.head_dim
+        self.layer_index = layer_index
+        h = dims.hidden_size
+        self.q_proj = nn.Linear(h, dims.num_heads * dims.head_dim, bias=False, **factory)
+        self.k_proj = nn.Linear(h, dims.num_kv_heads * dims.head_dim, bias=False, **factory)
+        self.v_proj = nn.Linear(h, dims.num_kv_heads * dims.head_dim, bias=False, **factory)
+        self.o_proj = nn.Linear(dims.num_heads * dims.head_dim, h, bias=False, **factory)
+
+    def forward(
+        self,
+        x_bth: Tensor,
+        cos_btd: Tensor,
+        sin_btd: Tensor,
+        allowed_b1ts: Tensor,
+        kv_cache: KVCache | None,
+    ) -> Tensor:
+        b, t, _ = x_bth.shape
+        q = self.q_proj(x_bth).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_bth).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_bth).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos_btd, sin_btd)
+        k = apply_rope(k, cos_btd, sin_btd)
+        if kv_cache is not None:
+            start, end = kv_cache.length, kv_cache.length + t
+            kv_cache.keys_lbhsd[self.layer_index, :, :, start:end] = k
+            kv_cache.values_lbhsd[self.layer_index, :, :, start:end] = v
+            k = kv_cache.keys_lbhsd[self.layer_index, :, :, :end]
+            v = kv_cache.values_lbhsd[self.layer_index, :, :, :end]
+        if _SDPA_HAS_GQA:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_b1ts, enable_gqa=True)
+        else:
+            group = self.num_heads // self.num_kv_heads
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=allowed_b1ts
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dims: ModelDims, **factory: Any) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. Submodules are declared in HF's order so state dicts list in the same order."""
+
+    def __init__(self, dims: ModelDims, layer_index: int, **factory: Any) -> None:
+        super().__init__()
+        self.self_attn = Attention(dims, layer_index, **factory)
+        self.mlp = MLP(dims, **factory)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, allowed_b1ts: Tensor, kv_cache: KVCache | None
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed_b1ts, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaTrunk(nn.Module):
+    """Embedding, decoder layers and final norm: HF's `LlamaModel` (the `model.` prefix)."""
+
+    def __init__(self, dims: ModelDims, **factory: Any) -> None:
+        super().__init__()
+        self.dims = dims
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(dims, i, **factory) for i in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
+
+    def forward(
+        self,
+        input_ids_bt: Tensor,
+        attention_mask_bt: Tensor,
+        kv_cache: KVCache | None = None,
+        positions_bt: Tensor | None = None,
+    ) -> Tensor:
+        """Final hidden states [B, T, hidden]. With a cache, the T tokens follow its filled slots."""
+        _, t = input_ids_bt.shape
+        device = input_ids_bt.device
+        mask_bt = attention_mask_bt.to(torch.bool)
+        start = 0 if kv_cache is None else kv_cache.length
+        end = start + t
+        if kv_cache is not None:
+            if end > kv_cache.capacity:
+                raise ValueError(f"KV cache holds {kv_cache.capacity} slots; {end} are needed")
+            kv_cache.key_valid_bs[:, start:end] = mask_bt
+            key_valid_bs = kv_cache.key_valid_bs[:, :end]
+            valid_before_b1 = kv_cache.num_valid_b[:, None]
+        else:
+            key_valid_bs = mask_bt
+            valid_before_b1 = torch.zeros(1, 1, dtype=torch.int64, device=device)
+
+        if positions_bt is None:
+            # Padding does not advance the position, so a left-padded row sees the same positions as
+            # the same row unpadded. Pads get a harmless clamped position.
+            positions_bt = (valid_before_b1 + mask_bt.long().cumsum(1) - 1).clamp(min=0)
+
+        query_slot_t = torch.arange(start, end, device=device)
+        key_slot_s = torch.arange(end, device=device)
+        causal_ts = key_slot_s[None, :] <= query_slot_t[:, None]
+        self_ts = key_slot_s[None, :] == query_slot_t[:, None]
+        # Every query also sees itself: a pad query would otherwise attend to nothing and SDPA would
+        # return NaN, which poisons gradients even where masked. Real queries never see pads.
+        allowed_b1ts = ((causal_ts[None] & key_valid_bs[:, None, :]) | self_ts[None])[:, None]
+
+        x = self.embed_tokens(input_ids_bt)
+        cos, sin = rope_cos_sin(positions_bt, self.dims.head_dim, self.dims.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, allowed_b1ts, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length = end
+            kv_cache.num_valid_b += mask_bt.sum(1)
+        return self.norm(x)
+
+
+def _init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """GPT-style init (normal(0, 0.02), norms at 1); drawn from torch's global RNG so seeds reproduce it."""
+    for sub in module.modules():
+        if isinstance(sub, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(sub.weight, mean=0.0, std=std)
+        elif isinstance(sub, RMSNorm):
+            nn.init.ones_(sub.weight)
+
+
+class Llama(nn.Module):
+    """Llama causal LM with HF `LlamaForCausalLM` parameter names.
+
+    With `dims.tie_embeddings` there is no `lm_head` parameter: the head reads
+    `model.embed_tokens.weight`, so the state dict holds every weight exactly once.
+    """
+
+    def __init__(
+        self, dims: ModelDims, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.dims = dims
+        self.model = LlamaTrunk(dims, **factory)
+        self.lm_head: nn.Linear | None = (
+            None if dims.tie_embeddings else nn.Linear(dims.hidden_size, dims.vocab_size, bias=False, **factory)
+        )
+        _init_weights(self)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """Final-norm hidden states [B, T, hidden]."""
+        return self.model(input_ids, attention_mask, kv_cache, positions)
+
+    def logits(self, hidden_bth: Tensor) -> Tensor:
+        """Float32 logits from hidden states; callers slice first to skip unneeded vocab projections."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_bth, weight).float()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """logits [B, T, V] float32 for input_ids [B, T] and attention_mask [B, T] (bool, left padding allowed)."""
+        return self.logits(self.hidden_states(input_ids, attention_mask, kv_cache, positions))
+
+
+class LlamaCritic(nn.Module):
+    """The Llama trunk with a scalar value head `value_head.weight` [1, hidden] instead of an LM head.
+
+    The trunk keeps the `model.` names, so a critic starts from a policy checkpoint with
+    `load_state_dict(..., strict=False)` (only `lm_head.weight` is extra, only `value_head` missing).
+    """
+
+    def __init__(
+        self, dims: ModelDims, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.dims = dims
+        self.model = LlamaTrunk(dims, **factory)
+        self.value_head = nn.Linear(dims.hidden_size, 1, bias=False, **factory)
+        _init_weights(self)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        return self.model(input_ids, attention_mask, kv_cache, positions)
+
+    def values(self, hidden_bth: Tensor) -> Tensor:
+        return self.value_head(hidden_bth).squeeze(-1).float()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """values [B, T] float32: the value of the state that ends at each token."""
+        return self.values(self.hidden_states(input_ids, attention_mask, kv_cache, positions))
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter shapes without building a model
+
+
+def param_shapes(dims: ModelDims, head: Head = "lm") -> dict[str, tuple[int, ...]]:
+    """HF-named parameter shapes in module (state-dict) order, computed from dims alone.
+
+    `head="lm"` is `Llama` (no `lm_head.weight` when embeddings are tied); `head="value"` is
+    `LlamaCritic`.
+    """
+    hidden, inter = dims.hidden_size, dims.intermediate_size
+    q_out = dims.num_heads * dims.head_dim
+    kv_out = dims.num_kv_heads * dims.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab_size, hidden)}
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_out)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if head == "lm" and not dims.tie_embeddings:
+        shapes["lm_head.weight"] = (dims.vocab_size, hidden)
+    elif head == "value":
+        shapes["value_head.weight"] = (1, hidden)
+    return shapes
+
+
+def count_params(dims: ModelDims, head: Head = "lm") -> int:
+    """Number of distinct parameters (a tied head counts once)."""
+    return sum(math.prod(shape) for shape in param_shapes(dims, head).values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation and teacher-forced scoring
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """Sampled responses. R = max_new_tokens, even when every row stopped early (the rest is pad).
+
+    logprobs are log pi(token) under the model's raw distribution (temperature 1, no top-p), not
+    under the tempered/truncated distribution the token was drawn from: that is the policy the
+    trainer recomputes with `token_logprobs`, so behaviour and training log-probs compare like with
+    like (and agree exactly when the weights are the same).
+    """
+
+    response_ids: Tensor  # int64 [B, R]
+    response_mask: Tensor  # bool [B, R], True up to and including EOS
+    logprobs: Tensor  # float32 [B, R], 0 where masked
+
+
+def _check_left_padded(prompt_mask_bp: Tensor) -> None:
+    if prompt_mask_bp.shape[1] == 0 or not bool(prompt_mask_bp[:, -1].all()):
+        raise ValueError(
+            "prompts must be left-padded with a real token in the last column "
+            "(prompt_mask[:, -1] must be all True)"
+        )
+
+
+def _sample(logits_bv: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
+    """Next token [B]: argmax at temperature 0, else nucleus sampling of softmax(logits / temperature)."""
+    if temperature == 0.0:
+        return logits_bv.argmax(-1)
+    probs_bv = torch.softmax(logits_bv / temperature, dim=-1)
+    if top_p < 1.0:
+        # Keep the most likely tokens until their mass reaches top_p; the first is always kept.
+        # A stable sort keeps ties in vocabulary order, so a seeded run is reproducible.
+        sorted_probs, order = probs_bv.sort(dim=-1, descending=True, stable=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs_bv = torch.zeros_like(probs_bv).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs_bv, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: Llama,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+) -> GenerationOutput:
+    """Sample up to max_new_tokens per left-padded prompt [B, P] with a static KV cache.
+
+    One prefill forward over the prompts, then one forward per new token. Sampling draws only from
+    `generator` (on the model's device), so a seeded generator reproduces the output. After a row
+    emits `eos_id` it is padded with `pad_id` (mask False, logprob 0); the loop stops once all rows
+    have. `temperature == 0` is greedy decoding.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    _check_left_padded(prompt_mask)
+    batch_size, prompt_len = prompt_ids.shape
+    device = prompt_ids.device
+    param = next(model.parameters())
+    cache = KVCache.allocate(
+        model.dims, batch_size, prompt_len + max_new_tokens, dtype=param.dtype, device=device
+    )
+    response_ids = torch.full((batch_size, max_new_tokens), pad_id, dtype=torch.int64, device=device)
+    response_mask = torch.zeros(batch_size, max_new_tokens, dtype=torch.bool, device=device)
+    logprobs = torch.zeros(batch_size, max_new_tokens, dtype=torch.float32, device=device)
+    done_b = torch.zeros(batch_size, dtype=torch.bool, device=device)
+
+    hidden = model.hidden_states(prompt_ids, prompt_mask.to(torch.bool), kv_cache=cache)
+    logits_bv = model.logits(hidden[:, -1])
+    for step in range(max_new_tokens):
+        token_b = _sample(logits_bv, temperature, top_p, generator)
+        live_b = ~done_b
+        token_b = torch.where(live_b, token_b, pad_id)
+        token_logprob_b = torch.log_softmax(logits_bv, dim=-1).gather(-1, token_b[:, None]).squeeze(-1)
+        response_ids[:, step] = token_b
+        response_mask[:, step] = live_b
+        logprobs[:, step] = torch.where(live_b, token_logprob_b, 0.0)
+        if eos_id is not None:
+            done_b = done_b | (token_b == eos_id)
+            if bool(done_b.all()):
+                break
+        if step + 1 == max_new_tokens:
+            break
+        # The fed token is real only for rows that were live when it was sampled, so finished rows
+        # leave pads in the cache that no real query attends to.
+        hidden = model.hidden_states(token_b[:, None], live_b[:, None], kv_cache=cache)
+        logits_bv = model.logits(hidden[:, -1])
+    return GenerationOutput(response_ids=response_ids, response_mask=response_mask, logprobs=logprobs)
+
+
+def _response_hidden(
+    model: Llama | LlamaCritic,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+) -> Tensor:
+    """Hidden states [B, R, hidden] at the positions that predict each response token.
+
+    Position P-1+r predicts response token r: the last prompt column for r = 0 (prompts are
+    left-padded), then the previous response token.
+    """
+    _check_left_padded(prompt_mask)
+    prompt_len, response_len = prompt_ids.shape[1], response_ids.shape[1]
+    input_ids = torch.cat((prompt_ids, response_ids), dim=1)
+    mask = torch.cat((prompt_mask.to(torch.bool), response_mask.to(torch.bool)), dim=1)
+    hidden = model.hidden_states(input_ids, mask)
+    return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def token_logprobs(
+    model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+) -> Tensor:
+    """Teacher-forced log pi(response token) [B, R] float32, differentiable, 0 where masked."""
+    logprobs, _ = _logprobs_and_maybe_entropy(
+        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=False
+    )
+    return logprobs
+
+
+def token_logprobs_and_entropy(
+    model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(logprobs [B, R], entropy [B, R]) where entropy = -sum_v p_v log p_v of each predicting position."""
+    logprobs, entropy = _logprobs_and_maybe_entropy(
+        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True
+    )
+    assert entropy is not None
+    return logprobs, entropy
+
+
+def _logprobs_and_maybe_entropy(
+    model: Llama,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    *,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    hidden = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    logp_brv = torch.log_softmax(model.logits(hidden), dim=-1)
+    mask_br = response_mask.to(torch.bool)
+    logprobs_br = logp_brv.gather(-1, response_ids[..., None]).squeeze(-1)
+    logprobs_br = torch.where(mask_br, logprobs_br, 0.0)
+    if not with_entropy:
+        return logprobs_br, None
+    entropy_br = -(logp_brv.exp() * logp_brv).sum(-1)
+    return logprobs_br, torch.where(mask_br, entropy_br, 0.0)
+
+
+def token_values(
+    critic: LlamaCritic, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+) -> Tensor:
+    """values [B, R] float32: V(state before response token r), aligned with `token_logprobs`; 0 where masked."""
+    hidden = _response_hidden(critic, prompt_ids, prompt_mask, response_ids, response_mask)
+    return torch.where(response_mask.to(torch.bool), critic.values(hidden), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+
+
+def _checkpoint_error(folder: Path, message: str, fix: str) -> GraphRLError:
+    return GraphRLError(f"checkpoint {folder}: {message}", fix=fix)
+
+
+def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
+    """ModelDims from a HF Llama `config.json` (transformers 4.x `rope_theta` or 5.x `rope_parameters`).
+
+    Raises GraphRLError for architectures this model cannot represent (biases, non-SiLU, odd head_dim)
+    and warns when a RoPE scaling is ignored.
+    """
+    model_type = config.get("model_type", "llama")
+    if model_type != "llama":
+        raise GraphRLError(
+            f"config.json has model_type {model_type!r}; only 'llama' checkpoints are supported",
+            fix="use a Llama-architecture checkpoint",
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag, False):
+            raise GraphRLError(f"config.json sets {flag}=true; this Llama has no biases", fix="use a bias-free checkpoint")
+    if config.get("hidden_act", "silu") != "silu":
+        raise GraphRLError(
+            f"config.json has hidden_act {config['hidden_act']!r}; only 'silu' (SwiGLU) is supported",
+            fix="use a Llama checkpoint with hidden_act 'silu'",
+        )
+    num_heads = int(config["num_attention_heads"])
+    hidden_size = int(config["hidden_size"])
+    head_dim = config.get("head_dim")
+    if head_dim is not None and int(head_dim) * num_heads != hidden_size:
+        raise GraphRLError(
+            f"config.json has head_dim {head_dim} but hidden_size/num_attention_heads = {hidden_size // num_heads}",
+            fix="use a checkpoint whose head_dim equals hidden_size / num_attention_heads",
+        )
+
+    rope = config.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = config.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        warnings.warn(
+            f"RoPE scaling {rope_type!r} in config.json is ignored (ModelDims has no field for it); "
+            "logits will differ from Hugging Face's, mostly at long positions",
+            stacklevel=2,
+        )
+    return ModelDims(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        max_seq_len=int(config.get("max_position_embeddings", 8192)),
+        rope_theta=rope_theta,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A `config.json` that both transformers 4.x (`rope_theta`) and 5.x (`rope_parameters`) read."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_hidden_layers": dims.num_layers,
+        "num_attention_heads": dims.num_heads,
+        "num_key_value_heads": dims.num_kv_heads,
+        "head_dim": dims.head_dim,
+        "max_position_embeddings": dims.max_seq_len,
+        "rope_theta": dims.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
+        "rope_scaling": None,
+        "rms_norm_eps": dims.norm_eps,
+        "tie_word_embeddings": dims.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype_name,
+    }
+
+
+def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]]:
+    """(dims, state_dict) from a HF Llama folder: config.json + model.safetensors or sharded shards.
+
+    The state dict loads into `Llama(dims)` (or `LlamaCritic(dims)` when it holds `value_head.weight`)
+    with `strict=True`: a tied checkpoint's duplicate `lm_head.weight` and old `rotary_emb.inv_freq`
+    buffers are dropped; anything missing or misshapen is an error here, not at load_state_dict.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise _checkpoint_error(folder, "has no config.json", "point `checkpoint` at a Hugging Face model folder")
+    dims = dims_from_hf_config(json.loads(config_path.read_text()))
+
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        shard_files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        shard_files = sorted(folder.glob("*.safetensors"))
+    if not shard_files:
+        raise _checkpoint_error(
+            folder, "has no *.safetensors weights", "convert the checkpoint with save_pretrained(safe_serialization=True)"
+        )
+    state_dict: dict[str, Tensor] = {}
+    for shard in shard_files:
+        state_dict.update(load_file(str(shard)))
+
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if dims.tie_embeddings:
+        state_dict.pop("lm_head.weight", None)
+    expected = param_shapes(dims, "value" if "value_head.weight" in state_dict else "lm")
+    missing = [name for name in expected if name not in state_dict]
+    unexpected = [name for name in state_dict if name not in expected]
+    wrong = [
+        f"{name} {tuple(state_dict[name].shape)} != {shape}"
+        for name, shape in expected.items()
+        if name in state_dict and tuple(state_dict[name].shape) != shape
+    ]
+    if missing or unexpected or wrong:
+        details = "; ".join(
+            part
+            for part in (
+                f"missing {missing[:3]}" if missing else "",
+                f"unexpected {unexpected[:3]}" if unexpected else "",
+                f"wrong shapes {wrong[:3]}" if wrong else "",
+            )
+            if part
+        )
+        raise _checkpoint_error(folder, f"weights do not match config.json ({details})", "use an unmodified Llama checkpoint")
+    return dims, {name: state_dict[name] for name in expected}
+
+
+def save_hf_checkpoint(model: Llama | LlamaCritic, dims: ModelDims, folder: str | Path) -> None:
+    """Write config.json + model.safetensors that `transformers` and `load_hf_checkpoint` read back."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state_dict = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    dtype = next(iter(state_dict.values())).dtype
+    (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
+    # HF refuses safetensors files without format metadata.
+    save_file(state_dict, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,68 @@
+"""Plan files: msgpack of the plan's JSON form, with a format version. Loading never unpickles.
+
+A file is a msgpack map `{"graphrl_plan": <format version>, "plan": <Plan as JSON-compatible data>}`.
+Loading checks the magic key and the version, then validates through the pydantic `Plan` model, so a
+corrupted or foreign file is an error naming the file, never arbitrary code execution.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import msgpack
+from pydantic import ValidationError
+
+from graphrl.errors import Location, PlanFileError
+from graphrl.schemas.plan import PLAN_FORMAT_VERSION, Plan
+
+MAGIC = "graphrl_plan"
+
+
+def plan_to_bytes(plan: Plan) -> bytes:
+    return msgpack.packb({MAGIC: PLAN_FORMAT_VERSION, "plan": plan.model_dump(mode="json")}, use_bin_type=True)
+
+
+def plan_from_bytes(data: bytes, source: str = "<bytes>") -> Plan:
+    where = Location(source)
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage input
+        raise PlanFileError(f"not a plan file (msgpack: {exc})", location=where,
+                            fix="write one with `graphrl compile JOB -o plan.msgpack`") from None
+    if not isinstance(obj, dict) or MAGIC not in obj:
+        raise PlanFileError("not a graphrl plan file", location=where,
+                            fix="write one with `graphrl compile JOB -o plan.msgpack`")
+    if obj[MAGIC] != PLAN_FORMAT_VERSION:
+        raise PlanFileError(f"plan format version {obj[MAGIC]} is not supported (this graphrl reads {PLAN_FORMAT_VERSION})",
+                            location=where, fix="recompile the job with this graphrl")
+    try:
+        return Plan.model_validate(obj["plan"])
+    except ValidationError as exc:
+        raise PlanFileError(f"plan file is corrupted: {exc.errors()[0]['msg']} at "
+                            f"{'.'.join(map(str, exc.errors()[0]['loc']))}", location=where,
+                            fix="recompile the job") from None
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write atomically: a temporary file in the same folder, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(plan_to_bytes(plan))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PlanFileError(f"cannot read plan file {path}: {exc.strerror}", fix="check the path") from None
+    return plan_from_bytes(data, str(path))

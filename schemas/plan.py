@@ -1,0 +1,184 @@
+"""The compiled plan: meshes, role placements, inserted operations, cost estimates (and, once scheduled,
+per-rank programs). It is what `graphrl compile -o plan.msgpack` writes and what executors read.
+
+The JSON form (`graphrl compile --plan --format json`) is `Plan.preview_dict()`; its keys are stable and
+documented in the README. On disk a plan is msgpack of `model_dump(mode="json")` with a format version;
+loading validates through these models and never unpickles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from graphrl.schemas.base import Frozen
+from graphrl.schemas.cluster import ClusterSpec
+from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.job import JobSpec, Precision, Sharding
+
+PLAN_FORMAT_VERSION = 1
+
+RoleKind = Literal["train", "generate", "infer"]
+
+
+class MeshSpec(Frozen):
+    """A contiguous block of devices arranged along named axes (row-major in the order given)."""
+
+    name: str = Field(description="Mesh name, e.g. 'trainer' or 'generator'.")
+    first_device: int = Field(ge=0, description="First global device (rank) of the mesh.")
+    num_devices: int = Field(gt=0, description="Number of devices in the mesh.")
+    axes: dict[str, int] = Field(description="Named axis sizes (dp, fsdp, tp, pp); their product is num_devices.")
+
+    @property
+    def devices(self) -> range:
+        return range(self.first_device, self.first_device + self.num_devices)
+
+    def device_range(self) -> str:
+        last = self.first_device + self.num_devices - 1
+        return f"{self.first_device}" if last == self.first_device else f"{self.first_device}-{last}"
+
+
+class MemoryBytes(Frozen):
+    """Bytes per device by kind of state."""
+
+    params: float = Field(default=0.0, description="Weights.")
+    grads: float = Field(default=0.0, description="Gradients.")
+    optimizer: float = Field(default=0.0, description="fp32 master weights and Adam moments.")
+    activations: float = Field(default=0.0, description="Activations kept for backward (or forward working set).")
+    kv_cache: float = Field(default=0.0, description="Key/value cache of generation.")
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def as_dict(self) -> dict[str, float]:
+        return {**self.model_dump(), "total": self.total}
+
+
+class RolePlacement(Frozen):
+    """Where one role (a copy of a model's weights used for one purpose) lives and how it is laid out."""
+
+    role: str = Field(description="Role name: the model name, or 'model/generate' for a generation copy.")
+    model: str = Field(description="Model whose weights this role holds.")
+    kind: RoleKind = Field(description="train: updated by an optimizer; generate: samples; infer: forward only.")
+    ops: list[str] = Field(description="Op nodes this role executes.")
+    mesh: str = Field(description="Mesh name.")
+    dp: int = Field(default=1, gt=0, description="Replicated data-parallel size.")
+    fsdp: int = Field(default=1, gt=0, description="Sharded data-parallel size.")
+    tp: int = Field(default=1, gt=0, description="Tensor-parallel size.")
+    pp: int = Field(default=1, gt=0, description="Pipeline-parallel size.")
+    sharding: Sharding = Field(default="none", description="Training-state sharding over the data-parallel axis.")
+    precision: Precision = Field(default="bf16", description="Weight precision used for compute.")
+    offload: list[Literal["params", "grads", "optimizer"]] = Field(
+        default_factory=list, description="State moved to host memory while the role is idle."
+    )
+    memory_bytes: MemoryBytes = Field(description="Peak device bytes of this role, per device.")
+    host_bytes: MemoryBytes = Field(default_factory=MemoryBytes, description="Host bytes per device (offloaded).")
+
+
+class Operation(Frozen):
+    """An operation the compiler inserted: weight sync, data reshard, offload/onload."""
+
+    kind: Literal["weight_sync", "reshard", "offload", "onload", "reshard_in_place"] = Field(description="Kind.")
+    src: str = Field(description="Source role or mesh.")
+    dst: str = Field(description="Destination role or mesh.")
+    num_bytes: float = Field(ge=0, description="Bytes moved per step (all devices together).")
+    time_s: float = Field(ge=0, description="Predicted seconds per step on the critical path.")
+    detail: str = Field(default="", description="Human-readable detail.")
+
+
+class StepEstimate(Frozen):
+    """Predicted seconds per step, by phase."""
+
+    step_time_s: float = Field(ge=0, description="Steady-state seconds per RL step.")
+    phases: dict[str, float] = Field(description="Seconds per phase (generate, infer, train, weight_sync, ...).")
+    mode: Literal["sync", "async"] = Field(description="Schedule the estimate assumes.")
+    method: Literal["analytical", "simulated"] = Field(default="analytical", description="How it was computed.")
+
+
+class CandidateSummary(Frozen):
+    """One layout the placement search considered."""
+
+    label: str = Field(description="Short description of the layout.")
+    strategy: Literal["colocated", "disaggregated"] = Field(description="Family of layouts.")
+    fits: bool = Field(description="Whether every device's memory fits.")
+    step_time_s: float | None = Field(default=None, description="Predicted seconds per step, if it fits.")
+    reason: str | None = Field(default=None, description="Why it was rejected.")
+
+
+class DeviceMemory(Frozen):
+    """Peak memory of the devices of one mesh (all devices of a mesh hold the same amount)."""
+
+    mesh: str
+    peak_bytes: float
+    capacity_bytes: float
+    roles: list[str]
+
+
+class Layout(Frozen):
+    """A full placement: meshes, role placements, inserted operations, its estimate."""
+
+    strategy: Literal["colocated", "disaggregated"] = Field(description="Family of the layout.")
+    label: str = Field(description="Short description.")
+    meshes: list[MeshSpec]
+    placements: list[RolePlacement]
+    operations: list[Operation]
+    device_memory: list[DeviceMemory]
+    estimate: StepEstimate
+
+
+class Plan(Frozen):
+    """The compiler's output."""
+
+    format_version: int = Field(default=PLAN_FORMAT_VERSION, description="Plan file format version.")
+    job: JobSpec
+    cluster: ClusterSpec
+    hardware: HardwareSpec
+    chosen: Layout = Field(description="The selected layout.")
+    baseline: Layout | None = Field(default=None, description="The colocated-synchronous baseline layout.")
+    candidates_considered: int = Field(ge=0, description="Number of layouts evaluated by the search.")
+    candidates: list[CandidateSummary] = Field(default_factory=list, description="Best and rejected candidates.")
+    programs: Any | None = Field(default=None, description="Per-rank programs, once scheduled.")
+
+    def preview_dict(self) -> dict[str, Any]:
+        """The documented JSON preview (`graphrl compile --plan --format json`)."""
+        caps = {d.mesh: d.capacity_bytes for d in self.chosen.device_memory}
+        meshes = {m.name: m for m in self.chosen.meshes}
+        return {
+            "format_version": self.format_version,
+            "job": self.job.name,
+            "cluster": {"name": self.cluster.name, "num_devices": self.cluster.num_devices,
+                        "hardware": self.hardware.name},
+            "strategy": self.chosen.strategy,
+            "label": self.chosen.label,
+            "meshes": [
+                {"name": m.name, "devices": [m.first_device, m.first_device + m.num_devices - 1],
+                 "num_devices": m.num_devices, "axes": m.axes}
+                for m in self.chosen.meshes
+            ],
+            "placements": [
+                {"model": p.model, "role": p.role, "kind": p.kind, "mesh": p.mesh,
+                 "devices": meshes[p.mesh].device_range(),
+                 "parallel": {"dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp},
+                 "sharding": p.sharding, "precision": p.precision, "offload": p.offload,
+                 "memory_bytes": p.memory_bytes.as_dict(), "host_bytes": p.host_bytes.as_dict(),
+                 "capacity_bytes": caps[p.mesh]}
+                for p in self.chosen.placements
+            ],
+            "device_memory": [d.model_dump() for d in self.chosen.device_memory],
+            "operations": [o.model_dump() for o in self.chosen.operations],
+            "step_time_s": self.chosen.estimate.step_time_s,
+            "phases": self.chosen.estimate.phases,
+            "mode": self.chosen.estimate.mode,
+            "estimate_method": self.chosen.estimate.method,
+            "baseline": None if self.baseline is None else {
+                "label": self.baseline.label,
+                "step_time_s": self.baseline.estimate.step_time_s,
+                "phases": self.baseline.estimate.phases,
+                "speedup": self.baseline.estimate.step_time_s / self.chosen.estimate.step_time_s
+                if self.chosen.estimate.step_time_s > 0 else None,
+            },
+            "candidates_considered": self.candidates_considered,
+            "candidates": [c.model_dump() for c in self.candidates],
+        }
