@@ -130,8 +130,8 @@ class WeightSyncPlan:
 # Planning
 
 
-# A piece of one class handed to one pair: (class index, box, first param, end param) where the
-# params are positions in the class's parameter list.
+# A piece of one geometry class: (class index, box, first param, end param), the params being
+# positions in the class's parameter list. Interned as ints while planning.
 _Entry = tuple[int, Region, int, int]
 
 
@@ -141,8 +141,32 @@ class _Class:
 
     shape: tuple[int, ...]
     param_ids: list[int]
-    src_groups: dict[Region, list[int]]  # distinct source region -> ranks that hold it
-    dst_groups: dict[Region, list[int]]  # distinct destination region -> ranks that need it
+    src_groups: dict[Region, tuple[int, ...]]  # distinct source region -> ranks that hold it
+    dst_groups: dict[Region, tuple[int, ...]]  # distinct destination region -> ranks that need it
+
+
+class _Entries:
+    """Interned entries, and the slices of each built once (shared by every bucket that carries it)."""
+
+    def __init__(self, classes: list[_Class], params: Sequence[ParamInfo]) -> None:
+        self._names = [[params[pid].name for pid in cls.param_ids] for cls in classes]
+        self._ids: dict[_Entry, int] = {}
+        self.entries: list[_Entry] = []
+        self._slices: dict[int, tuple[Slice, ...]] = {}
+
+    def intern(self, entry: _Entry) -> int:
+        eid = self._ids.get(entry)
+        if eid is None:
+            eid = self._ids[entry] = len(self.entries)
+            self.entries.append(entry)
+        return eid
+
+    def slices(self, eid: int) -> tuple[Slice, ...]:
+        made = self._slices.get(eid)
+        if made is None:
+            ci, box, lo, hi = self.entries[eid]
+            made = self._slices[eid] = tuple([Slice(name, box, box) for name in self._names[ci][lo:hi]])
+        return made
 
 
 def plan_weight_sync(
@@ -177,74 +201,84 @@ def plan_weight_sync(
 
     classes = _classify(params, src_mesh, src_layout, dst_mesh, dst_layout)
     eb = src_bytes_per_elem
+    book = _Entries(classes, params)
+    overlapping = not set(src_mesh.devices).isdisjoint(dst_mesh.devices)
 
-    local: dict[int, list[_Entry]] = defaultdict(list)
-    pairs: dict[tuple[int, int], list[_Entry]] = defaultdict(list)
-    load: dict[int, int] = defaultdict(int)
-    choices: list[tuple[int, int, _Entry, int, tuple[int, ...]]] = []  # (-bytes, seq, entry, dst, holders)
+    local: dict[int, list[int]] = defaultdict(list)  # rank -> entries it copies from itself
+    sends: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # src -> dst -> entries
+    load: dict[int, int] = defaultdict(int)  # link bytes per sender
+    choices: list[tuple[int, int, int, int, tuple[int, ...]]] = []  # (-bytes, seq, entry, dst, holders)
     lower_bound = 0
 
     for ci, cls in enumerate(classes):
         n = len(cls.param_ids)
-        own = {r: reg for reg, ranks in cls.src_groups.items() for r in ranks}
+        own = {r: reg for reg, ranks in cls.src_groups.items() for r in ranks} if overlapping else {}
         for dreg, dranks in cls.dst_groups.items():
             dsize = region_size(dreg)
+            lower_bound += dsize * n * eb * len(dranks)
             for r in dranks:
-                held = own.get(r)
-                lower_bound += (dsize - (0 if held is None else _overlap_size(dreg, held))) * n * eb
+                if r in own:
+                    lower_bound -= _overlap_size(dreg, own[r]) * n * eb
             if dsize == 0:
                 continue
             for sreg, box in _pieces(dreg, cls.src_groups):
                 holders = cls.src_groups[sreg]
-                holder_set = set(holders)
-                need = [r for r in dranks if r not in holder_set]
-                for r in dranks:
-                    if r in holder_set:
-                        local[r].append((ci, box, 0, n))
-                if not need:
-                    continue
+                need: Sequence[int] = dranks
+                if overlapping:
+                    holder_set = set(holders)
+                    keep = [r for r in dranks if r in holder_set]
+                    if keep:
+                        eid = book.intern((ci, box, 0, n))
+                        for r in keep:
+                            local[r].append(eid)
+                        need = [r for r in dranks if r not in holder_set]
+                        if not need:
+                            continue
                 elems = region_size(box)
                 if len(holders) == 1:
                     (s,) = holders
-                    entry = (ci, box, 0, n)
+                    eid = book.intern((ci, box, 0, n))
+                    out = sends[s]
                     for r in need:
-                        pairs[(s, r)].append(entry)
+                        out[r].append(eid)
                     load[s] += elems * n * eb * len(need)
                     continue
                 num_groups = min(n, max(1, ceil(len(holders) / len(need))))
                 for g in range(num_groups):
                     lo, hi = (n * g) // num_groups, (n * (g + 1)) // num_groups
+                    eid = book.intern((ci, box, lo, hi))
+                    item_bytes = elems * (hi - lo) * eb
                     for r in need:
-                        choices.append((-elems * (hi - lo) * eb, len(choices), (ci, box, lo, hi), r, tuple(holders)))
+                        choices.append((-item_bytes, len(choices), eid, r, holders))
 
-    _assign_senders(choices, load, pairs)
+    _assign_senders(choices, load, sends)
 
-    entry_slices = _SliceCache(classes, params)
-    cache: dict[tuple[_Entry, ...], list[tuple[tuple[Slice, ...], int]]] = {}
+    cache: dict[tuple[int, ...], list[tuple[tuple[Slice, ...], int]]] = {}
     buckets: list[Bucket] = []
     bytes_per_src: dict[int, int] = defaultdict(int)
     bytes_per_dst: dict[int, int] = defaultdict(int)
-    for (s, r) in sorted(pairs):
-        key = tuple(pairs[(s, r)])
-        chunks = cache.get(key)
-        if chunks is None:
-            chunks = cache[key] = _pack(key, entry_slices, eb, bucket_bytes)
-        for slices, num_bytes in chunks:
-            buckets.append(Bucket(s, r, slices, num_bytes))
-            bytes_per_src[s] += num_bytes
-            bytes_per_dst[r] += num_bytes
+    for s in sorted(sends):
+        for r in sorted(sends[s]):
+            key = tuple(sends[s][r])
+            chunks = cache.get(key)
+            if chunks is None:
+                chunks = cache[key] = _pack(key, book, eb, bucket_bytes)
+            for slices, num_bytes in chunks:
+                buckets.append(Bucket(s, r, slices, num_bytes))
+                bytes_per_src[s] += num_bytes
+                bytes_per_dst[r] += num_bytes
 
     local_copies = []
-    local_cache: dict[tuple[_Entry, ...], list[tuple[tuple[Slice, ...], int]]] = {}
+    local_cache: dict[tuple[int, ...], list[tuple[tuple[Slice, ...], int]]] = {}
     for r in sorted(local):
         key = tuple(local[r])
         chunks = local_cache.get(key)
         if chunks is None:
-            chunks = local_cache[key] = _pack(key, entry_slices, eb, None)
+            chunks = local_cache[key] = _pack(key, book, eb, None)
         ((slices, num_bytes),) = chunks
         local_copies.append(Bucket(r, r, slices, num_bytes))
 
-    total = sum(b.num_bytes for b in buckets)
+    total = sum(bytes_per_src.values())
     assert total == lower_bound, (total, lower_bound)
     return WeightSyncPlan(
         rounds=_schedule(buckets),
@@ -274,9 +308,9 @@ def _classify(
             pp_stage(p, dst_mesh.size(MeshAxis.PP)),
         )
         by_key.setdefault(key, []).append(pid)
-    groups_memo: dict[tuple, dict[Region, list[int]]] = {}
+    groups_memo: dict[tuple, dict[Region, tuple[int, ...]]] = {}
 
-    def groups(side: str, mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int) -> dict[Region, list[int]]:
+    def groups(side: str, mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int) -> dict[Region, tuple[int, ...]]:
         memo_key = (side, shape, dim_axes, stage)
         if memo_key not in groups_memo:
             groups_memo[memo_key] = _rank_groups(mesh, shape, dim_axes, stage)
@@ -288,7 +322,7 @@ def _classify(
     ]
 
 
-def _rank_groups(mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int) -> dict[Region, list[int]]:
+def _rank_groups(mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int) -> dict[Region, tuple[int, ...]]:
     """Distinct regions of one geometry on `mesh`, each with the ranks (of pp stage `stage`) holding it."""
     sizes = [s for _, s in mesh.axes]
     pp_pos = mesh.axis_position(MeshAxis.PP)
@@ -303,10 +337,10 @@ def _rank_groups(mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int
         if region is None:
             region = memo[key] = region_of(shape, dim_axes, sizes, coords)
         out.setdefault(region, []).append(rank)
-    return out
+    return {region: tuple(ranks) for region, ranks in out.items()}
 
 
-def _pieces(dst_region: Region, src_groups: dict[Region, list[int]]) -> Iterator[tuple[Region, Region]]:
+def _pieces(dst_region: Region, src_groups: dict[Region, tuple[int, ...]]) -> Iterator[tuple[Region, Region]]:
     """(source region, dst_region ∩ source region) for every non-empty overlap.
 
     The source regions of one geometry form a grid (each dim is cut independently), so overlaps
@@ -333,14 +367,14 @@ AFFINITY_SLACK = 0.02
 
 
 def _assign_senders(
-    choices: list[tuple[int, int, _Entry, int, tuple[int, ...]]],
+    choices: list[tuple[int, int, int, int, tuple[int, ...]]],
     load: dict[int, int],
-    pairs: dict[tuple[int, int], list[_Entry]],
+    sends: dict[int, dict[int, list[int]]],
 ) -> None:
     """Greedy least-loaded sender per item, largest items first (LPT); ties go to the lowest rank."""
     choices.sort(key=itemgetter(0, 1))
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for neg_bytes, _, entry, r, holders in choices:
+    for neg_bytes, _, eid, r, holders in choices:
         heap = heaps.get(holders)
         if heap is None:
             heap = heaps[holders] = [(load[s], s) for s in holders]
@@ -350,62 +384,63 @@ def _assign_senders(
         while heap[0][0] != load[heap[0][1]]:
             heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
         least, s = heap[0]
-        if (s, r) not in pairs:
-            paired = [h for h in holders if (h, r) in pairs and load[h] <= least * (1 + AFFINITY_SLACK)]
+        if r not in sends.get(s, ()):
+            limit = least * (1 + AFFINITY_SLACK)
+            paired = [h for h in holders if r in sends.get(h, ()) and load[h] <= limit]
             if paired:
                 s = min(paired, key=lambda h: (load[h], h))
-        load[s] += -neg_bytes
-        pairs[(s, r)].append(entry)
+        load[s] -= neg_bytes
+        sends[s][r].append(eid)
 
 
-def _pack(
-    entries: tuple[_Entry, ...], entry_slices: "_SliceCache", eb: int, limit: int | None
-) -> list[tuple[tuple[Slice, ...], int]]:
+def _pack(entries: tuple[int, ...], book: _Entries, eb: int, limit: int | None) -> list[tuple[tuple[Slice, ...], int]]:
     """One pair's slices packed into buckets of at most `limit` bytes (one bucket if None).
 
     Slices go in class by class (classes in order of their first parameter), parameters in order
-    within a class. A slice that does not fit starts a new bucket; one longer than a whole bucket
-    is cut to fill buckets exactly.
+    within a class. A pair of T bytes gets about ceil(T / limit) buckets of similar size (so the
+    rounds they land in are even): a bucket closes once it reaches T / ceil(T / limit) or when
+    the next slice would pass the limit. A slice longer than a bucket is cut to fill buckets.
     """
-    entries = tuple(sorted(entries, key=itemgetter(0, 2)))
+    order = sorted(entries, key=lambda eid: itemgetter(0, 2)(book.entries[eid]))
+    sizes = {eid: region_size(book.entries[eid][1]) * eb for eid in order}
+    total = sum(sizes[eid] * (book.entries[eid][3] - book.entries[eid][2]) for eid in order)
     if limit is None:
-        parts = [entry_slices(e) for e in entries]
-        num_bytes = sum(region_size(e[1]) * eb * (e[3] - e[2]) for e in entries)
-        return [(tuple(chain.from_iterable(parts)), num_bytes)]
+        return [(tuple(chain.from_iterable(book.slices(eid) for eid in order)), total)]
+    target = ceil(total / ceil(total / limit))
 
     chunks: list[tuple[tuple[Slice, ...], int]] = []
     current: list[Sequence[Slice]] = []
-    room = limit
+    filled = 0
 
     def close() -> None:
-        nonlocal current, room
+        nonlocal current, filled
         if current:
-            chunks.append((tuple(chain.from_iterable(current)), limit - room))
-        current, room = [], limit
+            chunks.append((tuple(chain.from_iterable(current)), filled))
+        current, filled = [], 0
 
-    for entry in entries:
-        slices = entry_slices(entry)
-        nb = region_size(entry[1]) * eb
+    for eid in order:
+        slices, nb = book.slices(eid), sizes[eid]
         if nb <= limit:
             i = 0
             while i < len(slices):
-                k = min(len(slices) - i, room // nb)
-                if k == 0:
+                k = min(len(slices) - i, (limit - filled) // nb, -((filled - target) // nb))
+                if k <= 0:
                     close()
                     continue
                 current.append(slices[i : i + k])
-                room -= k * nb
+                filled += k * nb
                 i += k
             continue
-        for whole in slices:  # each longer than a bucket: cut it
+        for whole in slices:  # each longer than a bucket: cut it to fill buckets to the target
             todo = deque([whole.src_region])
             while todo:
                 part = todo.popleft()
                 pb = region_size(part) * eb
+                room = target - filled
                 if pb <= room:
                     current.append((Slice(whole.param, part, part),))
-                    room -= pb
-                elif pb <= limit or room < eb:
+                    filled += pb
+                elif room < eb:
                     close()
                     todo.appendleft(part)
                 else:
@@ -414,21 +449,6 @@ def _pack(
                     todo.appendleft(head)
     close()
     return chunks
-
-
-class _SliceCache:
-    """The slices of one entry (one box of a run of a class's parameters), built once."""
-
-    def __init__(self, classes: list[_Class], params: Sequence[ParamInfo]) -> None:
-        self._names = [[params[pid].name for pid in cls.param_ids] for cls in classes]
-        self._made: dict[_Entry, tuple[Slice, ...]] = {}
-
-    def __call__(self, entry: _Entry) -> tuple[Slice, ...]:
-        made = self._made.get(entry)
-        if made is None:
-            ci, box, lo, hi = entry
-            made = self._made[entry] = tuple([Slice(name, box, box) for name in self._names[ci][lo:hi]])
-        return made
 
 
 def _carve(box: Region, max_elems: int) -> tuple[Region, list[Region]]:
@@ -458,41 +478,49 @@ def _carve(box: Region, max_elems: int) -> tuple[Region, list[Region]]:
 
 
 def _schedule(buckets: list[Bucket]) -> tuple[TransferRound, ...]:
-    """Colour buckets into rounds: Δ rounds, Δ = most buckets any rank sends or receives (König)."""
+    """Colour buckets into rounds: Δ rounds, Δ = most buckets any rank sends or receives (König).
+
+    `buckets` come sorted by (src, dst); rounds keep that order. Pairs are coloured largest bucket
+    first, so big buckets tend to share the early rounds and small ones the late rounds.
+    """
     if not buckets:
         return ()
-    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i].num_bytes, i))
-    colours = _edge_colouring([(2 * b.src, 2 * b.dst + 1) for b in buckets], order)
-    rounds: dict[int, list[Bucket]] = defaultdict(list)
+    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i].num_bytes, buckets[i].src, buckets[i].dst, i))
+    colours = _edge_colouring([(b.src, b.dst) for b in buckets], order)
+    rounds: list[list[Bucket]] = [[] for _ in range(max(colours) + 1)]
     for b, c in zip(buckets, colours):
         rounds[c].append(b)
-    return tuple(
-        TransferRound(tuple(sorted(rounds[c], key=lambda b: (b.src, b.dst)))) for c in sorted(rounds)
-    )
+    return tuple(TransferRound(tuple(r)) for r in rounds if r)
 
 
 def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[int]:
-    """Proper edge colouring of a bipartite multigraph with max-degree (Δ) colours.
+    """Colour (sender, receiver) edges so that no two edges at a sender or at a receiver share a
+    colour, with Δ colours (the most edges at one sender or receiver), as König's theorem allows.
 
-    For edge (u, v), in `order`: the smallest colour free at both ends, if it is below Δ (first
+    For edge (u, v), in `order`: the smallest colour free at both ends if it is below Δ (first
     fit, on bitmasks). Otherwise take a free at u and b free at v (both < Δ); if neither is free
     at the other end, swap a and b along the a/b alternating path that starts at v (it cannot
-    reach u in a bipartite graph), after which a is free at both.
+    reach u: the graph is bipartite), after which a is free at both.
     """
-    degree: dict[int, int] = defaultdict(int)
+    # Senders and receivers are separate vertices even when one rank is both.
+    index: dict[tuple[int, int], int] = {}
+    ends = []
     for u, v in edges:
+        ends.append((index.setdefault((0, u), len(index)), index.setdefault((1, v), len(index))))
+    degree = [0] * len(index)
+    for u, v in ends:
         degree[u] += 1
         degree[v] += 1
-    max_degree = max(degree.values())
-    at: dict[int, dict[int, int]] = defaultdict(dict)  # vertex -> colour -> edge
-    used: dict[int, int] = defaultdict(int)  # vertex -> bitmask of colours in use
+    max_degree = max(degree)
+    at = [[-1] * max_degree for _ in index]  # vertex -> colour -> edge
+    used = [0] * len(index)  # vertex -> bitmask of colours in use
     colour = [-1] * len(edges)
 
     def lowest_free(mask: int) -> int:
         return ((mask + 1) & ~mask).bit_length() - 1
 
     for e in order:
-        u, v = edges[e]
+        u, v = ends[e]
         c = lowest_free(used[u] | used[v])
         if c >= max_degree:
             a, b = lowest_free(used[u]), lowest_free(used[v])
@@ -502,28 +530,26 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
                 c = b
             else:
                 path, x, want = [], v, a
-                while want in at[x]:
+                while at[x][want] >= 0:
                     f = at[x][want]
                     path.append(f)
-                    fu, fv = edges[f]
+                    fu, fv = ends[f]
                     x = fv if fu == x else fu
                     want = b if want == a else a
                 for f in path:
-                    fu, fv = edges[f]
-                    del at[fu][colour[f]], at[fv][colour[f]]
+                    fu, fv = ends[f]
+                    at[fu][colour[f]] = at[fv][colour[f]] = -1
                 for f in path:
-                    fu, fv = edges[f]
+                    fu, fv = ends[f]
                     colour[f] = b if colour[f] == a else a
-                    at[fu][colour[f]] = f
-                    at[fv][colour[f]] = f
-                # Interior vertices keep both colours; the ends each trade one for the other.
+                    at[fu][colour[f]] = at[fv][colour[f]] = f
+                # Interior vertices keep both colours; each end trades one for the other.
                 swap = (1 << a) | (1 << b)
                 used[v] ^= swap
                 used[x] ^= swap
                 c = a
         colour[e] = c
-        at[u][c] = e
-        at[v][c] = e
+        at[u][c] = at[v][c] = e
         used[u] |= 1 << c
         used[v] |= 1 << c
     return colour

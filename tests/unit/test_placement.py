@@ -1,0 +1,148 @@
+"""Placement search: fits, pins, baseline, determinism and the errors a user gets."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from graphrl.cli import main
+from graphrl.compiler.compile import compile_job
+from graphrl.errors import PlacementError
+from graphrl.loader import job_cluster, load_job, load_job_text
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def compile_example(name: str, cluster: str | None = None, **options):
+    job = load_job(EXAMPLES / name)
+    return compile_job(job, job_cluster(job, cluster), **options)
+
+
+def test_405b_is_disaggregated_fits_and_beats_colocated_baseline():
+    plan = compile_example("llama3_405b.yaml")
+    assert plan.chosen.strategy == "disaggregated"
+    for dm in plan.chosen.device_memory:
+        assert dm.peak_bytes <= dm.capacity_bytes
+    assert plan.baseline is not None and plan.baseline.strategy == "colocated"
+    assert plan.baseline.estimate.mode == "sync"
+    # DeepSpeed-Chat-like baseline generates in bf16.
+    gen = [p for p in plan.baseline.placements if p.kind == "generate"]
+    assert gen and gen[0].precision == "bf16"
+    assert plan.baseline.estimate.step_time_s > plan.chosen.estimate.step_time_s
+
+
+def test_same_job_same_plan():
+    a = compile_example("llama3_8b.yaml")
+    b = compile_example("llama3_8b.yaml")
+    assert a == b
+
+
+def test_colocated_memory_includes_every_role_on_the_device():
+    plan = compile_example("ppo_tiny.yaml")
+    assert plan.chosen.strategy == "colocated"
+    (dm,) = plan.chosen.device_memory
+    assert set(dm.roles) == {"policy", "critic", "reference", "reward_model", "policy/generate"}
+
+
+def test_json_preview_has_documented_keys():
+    out = CliRunner().invoke(main, ["compile", str(EXAMPLES / "llama3_70b.yaml"), "--plan", "--format", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    for key in ("meshes", "placements", "step_time_s", "baseline", "candidates_considered"):
+        assert key in data
+    assert {"name", "devices", "axes"} <= set(data["meshes"][0])
+    placement = data["placements"][0]
+    for key in ("model", "role", "mesh", "parallel", "sharding", "precision", "memory_bytes", "capacity_bytes"):
+        assert key in placement
+    assert set(placement["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "kv_cache", "total"}
+    assert data["baseline"]["step_time_s"] > 0
+    assert data["candidates_considered"] > 100
+
+
+def test_pinned_devices_are_honoured():
+    plan = compile_example("aipo_async_tiny.yaml")
+    meshes = {m.name: m for m in plan.chosen.meshes}
+    assert list(meshes["generator"].devices) == [0]
+    assert list(meshes["trainer"].devices) == [1]
+    assert plan.chosen.estimate.mode == "async"
+
+
+def _job_with(placement: str, cluster: str = "local-cpu-2", preset: str = "tiny-digits") -> str:
+    text = (EXAMPLES / "grpo_tiny.yaml").read_text()
+    text = text.replace("preset: tiny-digits", f"preset: {preset}").replace("cluster: local-cpu-2", f"cluster: {cluster}")
+    return text + "\n" + textwrap.dedent(placement)
+
+
+@pytest.mark.parametrize("placement, field, words", [
+    ("placement:\n  roles:\n    policy: {tp: 3}\n", "placement.roles.policy.tp", "does not divide"),
+    ("placement:\n  roles:\n    policy: {devices: '0-7'}\n", "placement.roles.policy.devices", "outside the cluster"),
+    ("placement:\n  roles:\n    policy: {pp: 5}\n", "placement.roles.policy.pp", "larger than the 2 layers"),
+    ("placement:\n  roles:\n    critic: {tp: 1}\n", "placement.roles.critic", "unknown role"),
+    ("placement:\n  roles:\n    policy/generate: {precision: fp8}\n", "placement.roles.policy/generate.precision", "no fp8"),
+])
+def test_impossible_pins_name_the_field(tmp_path, placement, field, words):
+    path = tmp_path / "job.yaml"
+    path.write_text(_job_with(placement))
+    out = CliRunner().invoke(main, ["compile", str(path), "--plan"])
+    assert out.exit_code == 2
+    assert "Traceback" not in out.output
+    assert field in out.output and words in out.output
+    assert f"{path}:" in out.output  # located in the file
+
+
+def test_job_that_fits_nowhere_names_role_bytes_and_fix(tmp_path):
+    text = (EXAMPLES / "llama3_405b.yaml").read_text().replace("clusters/h100_1024.yaml", "clusters/h100_64.yaml")
+    path = tmp_path / "big.yaml"
+    path.write_text(text)
+    (tmp_path / "clusters").mkdir()
+    (tmp_path / "clusters" / "h100_64.yaml").write_text((EXAMPLES / "clusters" / "h100_64.yaml").read_text())
+    out = CliRunner().invoke(main, ["compile", str(path), "--plan"])
+    assert out.exit_code == 2, out.output
+    assert "no layout fits" in out.output
+    assert "GB per device" in out.output and "available" in out.output
+    assert "fix: try more devices" in out.output
+
+
+def test_exhaustive_and_beam_agree_on_small_cluster():
+    beam = compile_example("llama3_8b.yaml", str(EXAMPLES / "clusters" / "h200_8.yaml"))
+    full = compile_example("llama3_8b.yaml", str(EXAMPLES / "clusters" / "h200_8.yaml"), exhaustive=True)
+    assert full.candidates_considered >= beam.candidates_considered
+    assert beam.chosen.estimate.step_time_s <= full.chosen.estimate.step_time_s * 1.02
+
+
+def test_explain_lists_rejections():
+    out = CliRunner().invoke(main, ["compile", str(EXAMPLES / "llama3_405b.yaml"), "--plan", "--explain"])
+    assert out.exit_code == 0, out.output
+    assert "rejected:" in out.output and "GB per device" in out.output
+    assert "speed-up" in out.output
+
+
+def test_html_is_self_contained(tmp_path):
+    out_file = tmp_path / "plan.html"
+    out = CliRunner().invoke(main, ["compile", str(EXAMPLES / "llama3_8b.yaml"), "--format", "html", "-o", str(out_file)])
+    assert out.exit_code == 0, out.output
+    html = out_file.read_text()
+    assert html.startswith("<!doctype html>") and "<svg" in html
+    for external in ("<script src", "<link ", "http://", "https://", "@import"):
+        assert external not in html
+
+
+def test_compile_accepts_cluster_override():
+    plan = compile_example("grpo_tiny.yaml", "local-cpu-4")
+    assert plan.cluster.num_devices == 4
+    assert sum(m.num_devices for m in plan.chosen.meshes if m.name != "generator" or plan.chosen.strategy == "disaggregated") >= 4
+
+
+def test_unknown_cluster_is_a_located_error():
+    job = load_job_text((EXAMPLES / "grpo_tiny.yaml").read_text().replace("local-cpu-2", "nowhere-7"), "job.yaml")
+    with pytest.raises(Exception) as info:
+        job_cluster(job, None)
+    assert "nowhere-7" in str(info.value) and "job.yaml" in str(info.value)
+
+
+def test_placement_error_type():
+    assert issubclass(PlacementError, Exception)
