@@ -600,7 +600,7 @@ def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
         num_layers=int(config["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        max_seq_len=int(config.get("max_position_embeddings", 8192)),
+        max_seq_len=int(config.get("max_position_embeddings", 2048)),  # HF LlamaConfig default
         rope_theta=rope_theta,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),

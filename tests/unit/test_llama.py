@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 
 import pytest
 import torch
@@ -90,6 +89,21 @@ def test_left_padding_does_not_change_real_tokens(model: Llama) -> None:
         alone = model(ids[row : row + 1, real], torch.ones(1, int(real.sum()), dtype=torch.bool))
         torch.testing.assert_close(logits[row, real], alone[0], atol=1e-5, rtol=0)
     assert torch.isfinite(logits).all(), "pad queries must not produce NaN"
+
+
+def test_explicit_positions_rope_is_relative(model: Llama) -> None:
+    """Shifting every position by 10 leaves logits unchanged (RoPE sees only offsets); the default
+    positions are cumsum(mask) - 1, so passing those explicitly changes nothing either."""
+    ids, mask = _prompts()
+    default_positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+    logits = model(ids, mask)
+    # Bitwise: RoPE is relative, so a constant offset per row (e.g. arange positions under left
+    # padding) would only show up as float noise.
+    assert torch.equal(model(ids, mask, positions=default_positions), logits)
+    shifted = model(ids, mask, positions=default_positions + 10)
+    torch.testing.assert_close(shifted[mask], logits[mask], atol=1e-4, rtol=0)
+    scrambled = model(ids, mask, positions=default_positions.flip(1))
+    assert (scrambled[mask] - logits[mask]).abs().max() > 1e-2, "positions must reach the attention"
 
 
 def test_critic_left_padding_and_shape() -> None:
@@ -354,8 +368,6 @@ def test_hugging_face_checkpoint_round_trip(tmp_path, tie: bool) -> None:
     torch.testing.assert_close(ours(ids, torch.ones_like(ids, dtype=torch.bool)), expected, atol=1e-4, rtol=0)
 
     save_hf_checkpoint(ours, dims, tmp_path / "ours")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf_again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    hf_again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf_again(input_ids=ids).logits.float(), expected, atol=1e-4, rtol=0)
