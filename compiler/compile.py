@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphrl.errors import GraphRLError
-from graphrl.ir import build_graph
+from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.plan import Plan
@@ -17,6 +17,21 @@ from graphrl.compiler.pipeline import PIPELINE
 
 def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **options: Any) -> Plan:
     """Run the whole pipeline; user errors are located in the job file."""
+    graph = compile_graph(job, cluster, check=check, **options)
+    return plan_of(graph, cluster)
+
+
+def plan_of(graph: JobGraph, cluster: ClusterSpec) -> Plan:
+    placement = graph["placement"]
+    return Plan(
+        job=graph.job, cluster=cluster, hardware=placement["problem"].hw, chosen=placement["chosen"],
+        baseline=placement["baseline"], candidates_considered=placement["considered"],
+        candidates=placement["candidates"], programs=graph.attrs.get("programs"),
+    )
+
+
+def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **options: Any) -> JobGraph:
+    """The final graph of the pipeline, with every pass's attributes (placement, programs ...)."""
     hardware = resolve_hardware(cluster)
     ctx = CompileContext(job.spec, cluster, hardware, dict(options))
     try:
@@ -25,9 +40,4 @@ def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **
         if exc.path and exc.location is None:
             exc.location = job.source.locate(exc.path)
         raise
-    placement = graph["placement"]
-    return Plan(
-        job=job.spec, cluster=cluster, hardware=hardware, chosen=placement["chosen"],
-        baseline=placement["baseline"], candidates_considered=placement["considered"],
-        candidates=placement["candidates"],
-    )
+    return graph

@@ -6,7 +6,7 @@ intersects, per parameter, every destination rank's region with the source shard
 direct rank-to-rank copies: each byte a destination lacks crosses a link exactly once, bytes a
 destination already holds are copied locally, and nothing is gathered or broadcast first.
 
-How it stays fast at 405B scale (1,140 parameters, 512 -> 512 ranks): parameters with the same
+How it stays fast at 405B scale (~1,140 parameters, 512 -> 512 ranks): parameters with the same
 shape, placements and pp stages form one geometry class (all `q_proj` of a stage, ...). The
 intersection geometry is computed once per class on distinct regions, not per parameter or
 rank, and a (sender, receiver) pair's bucket contents are built once per distinct content and
@@ -17,19 +17,22 @@ Choices, all deterministic:
   (bytes sent so far, then lowest rank), largest items first. A class's parameters are dealt
   out in up to `ceil(#holders / #receivers)` groups so that few receivers still spread over all
   replicas.
-- Buckets: one flat buffer per (src, dst) pair and at most `bucket_bytes` long; slices go in in
-  parameter order, a slice that does not fit starts a new bucket, and a slice longer than a
-  whole bucket is cut (rows first) to fill buckets exactly.
+- Buckets: flat buffers of one (src, dst) pair, at most `bucket_bytes` each. A pair of T bytes
+  gets about ceil(T / bucket_bytes) buckets of similar size; slices go in class by class, in
+  parameter order within a class; a slice longer than a bucket is cut (outer dims first).
 - Rounds: a bucket is an edge of the bipartite multigraph senders x receivers; a proper edge
-  colouring (König; alternating-path recolouring) gives exactly max-degree rounds, the least
-  possible when no rank sends or receives two buckets at once. Largest buckets are coloured first.
+  colouring (König; alternating-path recolouring) gives exactly Δ rounds, Δ = the most buckets
+  one rank sends or receives: the fewest possible when no rank sends or receives two buckets at
+  once. Largest buckets are coloured first, so big buckets share rounds and small ones fill gaps.
 - Bytes on the wire are source bytes: a precision change (bf16 -> fp8) happens on the receiver.
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain, product
 from math import ceil, prod
@@ -46,6 +49,7 @@ from graphrl.compiler.layout import (
     pp_stage,
     region_of,
     region_size,
+    split_bounds,
 )
 from graphrl.errors import JobError, PlacementError
 
@@ -199,6 +203,35 @@ def plan_weight_sync(
         dup = sorted({n for n in names if names.count(n) > 1})
         raise PlacementError(f"weight sync: parameter names repeat: {dup[:5]}")
 
+    with _gc_paused():
+        return _plan(
+            params, src_mesh, src_layout, dst_mesh, dst_layout, src_bytes_per_elem, dst_bytes_per_elem, bucket_bytes
+        )
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning builds ~10^6 small acyclic objects (slices, buckets); cyclic GC passes over them
+    are pure overhead (~25% of the time at 405B scale). Restores the previous GC state."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _plan(
+    params: Sequence[ParamInfo],
+    src_mesh: Mesh,
+    src_layout: LayoutFn,
+    dst_mesh: Mesh,
+    dst_layout: LayoutFn,
+    src_bytes_per_elem: int,
+    dst_bytes_per_elem: int,
+    bucket_bytes: int,
+) -> WeightSyncPlan:
     classes = _classify(params, src_mesh, src_layout, dst_mesh, dst_layout)
     eb = src_bytes_per_elem
     book = _Entries(classes, params)
@@ -243,46 +276,32 @@ def plan_weight_sync(
                         out[r].append(eid)
                     load[s] += elems * n * eb * len(need)
                     continue
-                num_groups = min(n, max(1, ceil(len(holders) / len(need))))
+                # Few receivers for many holders: deal the piece out in parts (runs of the
+                # class's parameters, then row blocks of the box) so every holder can take some.
+                parts = ceil(len(holders) / len(need))
+                num_groups = min(n, parts)
                 for g in range(num_groups):
                     lo, hi = (n * g) // num_groups, (n * (g + 1)) // num_groups
-                    eid = book.intern((ci, box, lo, hi))
-                    item_bytes = elems * (hi - lo) * eb
-                    for r in need:
-                        choices.append((-item_bytes, len(choices), eid, r, holders))
+                    for part in _split_box(box, ceil(parts / num_groups)):
+                        eid = book.intern((ci, part, lo, hi))
+                        item_bytes = region_size(part) * (hi - lo) * eb
+                        for r in need:
+                            choices.append((-item_bytes, len(choices), eid, r, holders))
 
     _assign_senders(choices, load, sends)
+    buckets = _bucketize(sends, book, eb, bucket_bytes)
+    local_copies = _local_copies(local, book, eb)
 
-    cache: dict[tuple[int, ...], list[tuple[tuple[Slice, ...], int]]] = {}
-    buckets: list[Bucket] = []
     bytes_per_src: dict[int, int] = defaultdict(int)
     bytes_per_dst: dict[int, int] = defaultdict(int)
-    for s in sorted(sends):
-        for r in sorted(sends[s]):
-            key = tuple(sends[s][r])
-            chunks = cache.get(key)
-            if chunks is None:
-                chunks = cache[key] = _pack(key, book, eb, bucket_bytes)
-            for slices, num_bytes in chunks:
-                buckets.append(Bucket(s, r, slices, num_bytes))
-                bytes_per_src[s] += num_bytes
-                bytes_per_dst[r] += num_bytes
-
-    local_copies = []
-    local_cache: dict[tuple[int, ...], list[tuple[tuple[Slice, ...], int]]] = {}
-    for r in sorted(local):
-        key = tuple(local[r])
-        chunks = local_cache.get(key)
-        if chunks is None:
-            chunks = local_cache[key] = _pack(key, book, eb, None)
-        ((slices, num_bytes),) = chunks
-        local_copies.append(Bucket(r, r, slices, num_bytes))
-
+    for bucket in buckets:
+        bytes_per_src[bucket.src] += bucket.num_bytes
+        bytes_per_dst[bucket.dst] += bucket.num_bytes
     total = sum(bytes_per_src.values())
     assert total == lower_bound, (total, lower_bound)
     return WeightSyncPlan(
         rounds=_schedule(buckets),
-        local_copies=tuple(local_copies),
+        local_copies=local_copies,
         total_bytes=total,
         bytes_per_src=dict(bytes_per_src),
         bytes_per_dst=dict(bytes_per_dst),
@@ -292,6 +311,33 @@ def plan_weight_sync(
         dst_bytes_per_elem=dst_bytes_per_elem,
         bucket_bytes=bucket_bytes,
     )
+
+
+def _bucketize(sends: dict[int, dict[int, list[int]]], book: _Entries, eb: int, limit: int) -> list[Bucket]:
+    """Every pair's buckets, pairs in (src, dst) order. Pairs with the same entries share slices."""
+    packed: dict[tuple[int, ...], list[tuple[tuple[Slice, ...], int]]] = {}
+    buckets = []
+    for s in sorted(sends):
+        for r in sorted(sends[s]):
+            key = tuple(sends[s][r])
+            chunks = packed.get(key)
+            if chunks is None:
+                chunks = packed[key] = _pack(key, book, eb, limit)
+            buckets.extend(Bucket(s, r, slices, num_bytes) for slices, num_bytes in chunks)
+    return buckets
+
+
+def _local_copies(local: dict[int, list[int]], book: _Entries, eb: int) -> tuple[Bucket, ...]:
+    """One unbounded src == dst bucket per rank that keeps bytes it already holds."""
+    packed: dict[tuple[int, ...], tuple[Slice, ...]] = {}
+    out = []
+    for r in sorted(local):
+        key = tuple(local[r])
+        if key not in packed:
+            ((packed[key], _),) = _pack(key, book, eb, None)
+        slices = packed[key]
+        out.append(Bucket(r, r, slices, sum(sl.num_elements for sl in slices) * eb))
+    return tuple(out)
 
 
 def _classify(
@@ -310,7 +356,9 @@ def _classify(
         by_key.setdefault(key, []).append(pid)
     groups_memo: dict[tuple, dict[Region, tuple[int, ...]]] = {}
 
-    def groups(side: str, mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int) -> dict[Region, tuple[int, ...]]:
+    def groups(
+        side: str, mesh: Mesh, shape: tuple[int, ...], dim_axes: tuple, stage: int
+    ) -> dict[Region, tuple[int, ...]]:
         memo_key = (side, shape, dim_axes, stage)
         if memo_key not in groups_memo:
             groups_memo[memo_key] = _rank_groups(mesh, shape, dim_axes, stage)
@@ -354,6 +402,16 @@ def _pieces(dst_region: Region, src_groups: dict[Region, tuple[int, ...]]) -> It
         sreg = tuple(c[0] for c in combo)
         if sreg in src_groups:
             yield sreg, tuple(c[1] for c in combo)
+
+
+def _split_box(box: Region, parts: int) -> list[Region]:
+    """`box` cut into up to `parts` blocks along its outermost dim longer than 1 (tensor_split)."""
+    for d, (a, b) in enumerate(box):
+        if b - a > 1 and parts > 1:
+            k = min(parts, b - a)
+            cuts = [split_bounds(b - a, k, i) for i in range(k)]
+            return [box[:d] + ((a + lo, a + hi),) + box[d + 1 :] for lo, hi in cuts]
+    return [box]
 
 
 def _overlap_size(a: Region, b: Region) -> int:
@@ -401,7 +459,7 @@ def _pack(entries: tuple[int, ...], book: _Entries, eb: int, limit: int | None) 
     rounds they land in are even): a bucket closes once it reaches T / ceil(T / limit) or when
     the next slice would pass the limit. A slice longer than a bucket is cut to fill buckets.
     """
-    order = sorted(entries, key=lambda eid: itemgetter(0, 2)(book.entries[eid]))
+    order = sorted(entries, key=lambda eid: (book.entries[eid][0], book.entries[eid][2]))
     sizes = {eid: region_size(book.entries[eid][1]) * eb for eid in order}
     total = sum(sizes[eid] * (book.entries[eid][3] - book.entries[eid][2]) for eid in order)
     if limit is None:
@@ -485,7 +543,9 @@ def _schedule(buckets: list[Bucket]) -> tuple[TransferRound, ...]:
     """
     if not buckets:
         return ()
-    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i].num_bytes, buckets[i].src, buckets[i].dst, i))
+    # Largest first; the sort is stable, so equal sizes keep (src, dst) order.
+    neg_sizes = [-b.num_bytes for b in buckets]
+    order = sorted(range(len(buckets)), key=neg_sizes.__getitem__)
     colours = _edge_colouring([(b.src, b.dst) for b in buckets], order)
     rounds: list[list[Bucket]] = [[] for _ in range(max(colours) + 1)]
     for b, c in zip(buckets, colours):
@@ -497,23 +557,23 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
     """Colour (sender, receiver) edges so that no two edges at a sender or at a receiver share a
     colour, with Δ colours (the most edges at one sender or receiver), as König's theorem allows.
 
-    For edge (u, v), in `order`: the smallest colour free at both ends if it is below Δ (first
-    fit, on bitmasks). Otherwise take a free at u and b free at v (both < Δ); if neither is free
-    at the other end, swap a and b along the a/b alternating path that starts at v (it cannot
-    reach u: the graph is bipartite), after which a is free at both.
+    Edges are coloured in `order`; Δ' is the max degree of the edges coloured so far, so every
+    prefix of `order` uses exactly its own Δ' colours (coloured largest first, the big buckets
+    share the first rounds and the small ones fill the gaps). For edge (u, v): the smallest
+    colour free at both ends, if below Δ' (first fit, on bitmasks). Otherwise take a free at u
+    and b free at v (both < Δ'); if neither is free at the other end, swap a and b along the
+    a/b alternating path that starts at v (it cannot reach u: the graph is bipartite), after
+    which a is free at both -- or along the b/a path from u, freeing b, whichever is shorter.
     """
     # Senders and receivers are separate vertices even when one rank is both.
     index: dict[tuple[int, int], int] = {}
     ends = []
     for u, v in edges:
         ends.append((index.setdefault((0, u), len(index)), index.setdefault((1, v), len(index))))
-    degree = [0] * len(index)
-    for u, v in ends:
-        degree[u] += 1
-        degree[v] += 1
-    max_degree = max(degree)
-    at = [[-1] * max_degree for _ in index]  # vertex -> colour -> edge
+    at: list[dict[int, int]] = [{} for _ in index]  # vertex -> colour -> edge
     used = [0] * len(index)  # vertex -> bitmask of colours in use
+    degree = [0] * len(index)  # of the edges coloured so far
+    cap = 0  # max degree of the edges coloured so far: colours stay below it
     colour = [-1] * len(edges)
 
     def lowest_free(mask: int) -> int:
@@ -521,33 +581,42 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
 
     for e in order:
         u, v = ends[e]
+        degree[u] += 1
+        degree[v] += 1
+        cap = max(cap, degree[u], degree[v])
         c = lowest_free(used[u] | used[v])
-        if c >= max_degree:
+        if c >= cap:
+            # No common free colour below cap, so a (free at u) is used at v and b (free at
+            # v) is used at u. Two ways out: free a at v (swap the a/b path from v) or free b
+            # at u (swap the b/a path from u). Walk both in step and swap the shorter.
             a, b = lowest_free(used[u]), lowest_free(used[v])
-            if not used[v] >> a & 1:
-                c = a
-            elif not used[u] >> b & 1:
-                c = b
-            else:
-                path, x, want = [], v, a
-                while at[x][want] >= 0:
-                    f = at[x][want]
+            walks: list[list[Any]] = [[v, a, []], [u, b, []]]  # [at vertex, next colour, path]
+            done: list[Any] | None = None
+            while done is None:
+                for walk in walks:
+                    x, want, path = walk
+                    f = at[x].get(want)
+                    if f is None:
+                        done = walk
+                        break
                     path.append(f)
                     fu, fv = ends[f]
-                    x = fv if fu == x else fu
-                    want = b if want == a else a
-                for f in path:
-                    fu, fv = ends[f]
-                    at[fu][colour[f]] = at[fv][colour[f]] = -1
-                for f in path:
-                    fu, fv = ends[f]
-                    colour[f] = b if colour[f] == a else a
-                    at[fu][colour[f]] = at[fv][colour[f]] = f
-                # Interior vertices keep both colours; each end trades one for the other.
-                swap = (1 << a) | (1 << b)
-                used[v] ^= swap
-                used[x] ^= swap
-                c = a
+                    walk[0] = fv if fu == x else fu
+                    walk[1] = b if want == a else a
+            x, _, path = done
+            for f in path:
+                fu, fv = ends[f]
+                del at[fu][colour[f]], at[fv][colour[f]]
+            for f in path:
+                fu, fv = ends[f]
+                colour[f] = b if colour[f] == a else a
+                at[fu][colour[f]] = at[fv][colour[f]] = f
+            # Interior vertices keep both colours; each end trades one for the other.
+            swap = (1 << a) | (1 << b)
+            start = v if done is walks[0] else u
+            used[start] ^= swap
+            used[x] ^= swap
+            c = a if done is walks[0] else b
         colour[e] = c
         at[u][c] = at[v][c] = e
         used[u] |= 1 << c

@@ -206,7 +206,9 @@ def pp_stage(param: ParamInfo, num_stages: int) -> int:
 # Regions
 
 
-def normalize_layout(layout: ParamLayout, mesh: Mesh, shape: Sequence[int], name: str = "?") -> tuple[tuple[int, ...], ...]:
+def normalize_layout(
+    layout: ParamLayout, mesh: Mesh, shape: Sequence[int], name: str = "?"
+) -> tuple[tuple[int, ...], ...]:
     """For each tensor dim, the positions (in mesh order) of the mesh axes that shard it.
 
     Checks the layout against the tensor: a Shard dim must exist, and pp may not slice a tensor.
@@ -214,6 +216,11 @@ def normalize_layout(layout: ParamLayout, mesh: Mesh, shape: Sequence[int], name
     """
     per_dim: list[list[int]] = [[] for _ in shape]
     for key, placement in layout.items():
+        if key not in MeshAxis.__members__.values():
+            raise PlacementError(
+                f"parameter {name}: layout names an unknown mesh axis {key!r}",
+                fix=f"use axes from {[a.value for a in MeshAxis]}",
+            )
         axis = MeshAxis(key)
         if isinstance(placement, Replicate):
             continue
@@ -235,7 +242,9 @@ def normalize_layout(layout: ParamLayout, mesh: Mesh, shape: Sequence[int], name
     return tuple(tuple(p) for p in per_dim)
 
 
-def region_of(shape: Sequence[int], dim_axes: Sequence[Sequence[int]], sizes: Sequence[int], coords: Sequence[int]) -> Region:
+def region_of(
+    shape: Sequence[int], dim_axes: Sequence[Sequence[int]], sizes: Sequence[int], coords: Sequence[int]
+) -> Region:
     """The region a rank with mesh `coords` holds, given `normalize_layout`'s per-dim axis positions."""
     out = []
     for length, positions in zip(shape, dim_axes):
@@ -263,7 +272,9 @@ def shard_bounds(param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | 
     return region_of(param.shape, dim_axes, [s for _, s in mesh.axes], coords)
 
 
-def shard_region(param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | None = None) -> tuple[slice, ...] | None:
+def shard_region(
+    param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | None = None
+) -> tuple[slice, ...] | None:
     """The region of the full tensor `rank` holds under `layout` (default: `llama_param_layout`).
 
     None when the rank holds nothing of it (the parameter lives on another pp stage). A region may

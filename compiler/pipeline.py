@@ -7,7 +7,7 @@ with the pass's name and the passes before it.
 from __future__ import annotations
 
 from graphrl.compiler.passes import Pass
-from graphrl.compiler.place import annotate_costs, place
+from graphrl.compiler.place import annotate_costs, place, schedule, verify
 from graphrl.compiler.typecheck import typecheck
 
 # What `graphrl validate` runs: needs only the job.
@@ -19,4 +19,9 @@ FRONT: tuple[Pass, ...] = (
 PIPELINE: tuple[Pass, ...] = FRONT + (
     annotate_costs,   # parameters and FLOPs per role and step
     place,            # meshes and layouts per role; drops what does not fit; ranks by step time
+    schedule,         # reshard, DDMA weight sync, offload/onload; unroll steps into per-rank programs
+    verify,           # no deadlock, memory fits at every instruction, staleness bound holds
 )
+
+# Placement preview only (no programs): `graphrl compile --plan` on jobs too large to unroll quickly.
+PLACEMENT_ONLY: tuple[Pass, ...] = PIPELINE[:3]

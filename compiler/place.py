@@ -1,15 +1,26 @@
-"""The cost-annotation and placement passes."""
+"""The cost-annotation, placement, schedule and verify passes."""
 
 from __future__ import annotations
 
 from types import MappingProxyType
 
 from graphrl.ir import JobGraph
+from graphrl.schemas.plan import StepEstimate
 
 from graphrl.compiler import cost
 from graphrl.compiler.passes import CompileContext, compiler_pass
-from graphrl.compiler.placement import make_problem, search, summaries, to_layout
+from graphrl.compiler.placement import Evaluated, Problem, make_problem, search, summaries, to_layout
 from graphrl.compiler.roles import derive_roles, derive_workload
+from graphrl.compiler.schedule import build_programs
+from graphrl.compiler.simulate import run_programs
+from graphrl.compiler.verify import verify_programs
+
+# Candidates re-ranked by simulating their programs when the cluster is this small (the simulator
+# sees queueing and pipelining that the analytical estimate does not); larger clusters keep the
+# analytical ranking, since simulating thousands of candidates there would take minutes.
+SIMULATE_RANKING_MAX_DEVICES = 16
+SIMULATE_RANKING_TOP_K = 8
+SIMULATE_RANKING_STEPS = 6
 
 
 @compiler_pass("annotate_costs", requires=("types",), ensures=("costs",))
@@ -18,15 +29,23 @@ def annotate_costs(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     work = derive_workload(graph)
     costs = {}
     for role in derive_roles(graph):
-        params = cost.param_count(role.dims)
         if role.kind == "train":
             flops = cost.train_flops(role.dims, work.tokens, work.seq_len, recompute=False) * work.updates_per_step
-        elif role.kind == "generate":
-            flops = cost.forward_flops_per_token(role.dims, cost.causal_mean_context(work.seq_len)) * work.tokens
         else:
             flops = cost.forward_flops_per_token(role.dims, cost.causal_mean_context(work.seq_len)) * work.tokens
-        costs[role.name] = MappingProxyType({"params": params, "flops_per_step": flops})
+        costs[role.name] = MappingProxyType({"params": cost.param_count(role.dims), "flops_per_step": flops})
     return graph.with_attr("costs", MappingProxyType(costs))
+
+
+def simulated_step_time(graph: JobGraph, problem: Problem, ev: Evaluated, steps: int) -> float:
+    layout = to_layout(problem, ev)
+    programs = build_programs(graph, problem, ev, layout, steps=steps, checkpoint_every=0)
+    return run_programs(programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
+
+
+def _with_estimate(layout, seconds: float):  # noqa: ANN001, ANN202
+    estimate = layout.estimate.model_copy(update={"step_time_s": seconds, "method": "simulated"})
+    return layout.model_copy(update={"estimate": estimate})
 
 
 @compiler_pass("placement", requires=("types", "costs"), ensures=("placement",))
@@ -35,10 +54,46 @@ def place(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     assert ctx.cluster is not None and ctx.hardware is not None
     problem = make_problem(graph, ctx.cluster, ctx.hardware)
     result = search(problem, exhaustive=bool(ctx.options.get("exhaustive", False)))
+    best, method = result.best, "analytical"
+    chosen = to_layout(problem, best)
+    baseline = to_layout(problem, result.baseline) if result.baseline else None
+    if problem.num_devices <= SIMULATE_RANKING_MAX_DEVICES and not ctx.options.get("analytical_only"):
+        scored = []
+        for ev in result.ranked[:SIMULATE_RANKING_TOP_K]:
+            scored.append((simulated_step_time(graph, problem, ev, SIMULATE_RANKING_STEPS), ev.label, ev))
+        seconds, _, best = min(scored, key=lambda x: (x[0], x[1]))
+        method = "simulated"
+        chosen = _with_estimate(to_layout(problem, best), seconds)
+        if result.baseline is not None:
+            baseline = _with_estimate(baseline, simulated_step_time(graph, problem, result.baseline, SIMULATE_RANKING_STEPS))
     placement = MappingProxyType({
-        "chosen": to_layout(problem, result.best),
-        "baseline": to_layout(problem, result.baseline) if result.baseline else None,
+        "problem": problem, "chosen_eval": best, "baseline_eval": result.baseline, "ranking": method,
+        "chosen": chosen,
+        "baseline": baseline,
         "considered": result.considered,
         "candidates": summaries(result),
     })
     return graph.with_attr("placement", placement)
+
+
+@compiler_pass("schedule", requires=("placement",), ensures=("programs",))
+def schedule(graph: JobGraph, ctx: CompileContext) -> JobGraph:
+    """Insert reshard, weight-sync and offload operations; unroll the steps into per-rank programs."""
+    pl = graph["placement"]
+    steps = int(ctx.options.get("steps") or graph.job.schedule.steps)
+    programs = build_programs(graph, pl["problem"], pl["chosen_eval"], pl["chosen"], steps=steps,
+                              mode=ctx.options.get("mode"))
+    return graph.with_attr("programs", programs)
+
+
+@compiler_pass("verify", requires=("programs", "placement"), ensures=("verified",))
+def verify(graph: JobGraph, ctx: CompileContext) -> JobGraph:
+    """No deadlock, memory fits at every instruction, the staleness bound holds."""
+    pl = graph["placement"]
+    layout = pl["chosen"]
+    mode = ctx.options.get("mode") or (graph.job.schedule.mode if layout.strategy == "disaggregated" else "sync")
+    peak = verify_programs(graph["programs"], layout, pl["problem"].usable, mode, graph.job.schedule.max_staleness)
+    return graph.with_attr("verified", MappingProxyType({"peak_bytes": peak}))
+
+
+__all__ = ["StepEstimate", "annotate_costs", "place", "schedule", "verify"]

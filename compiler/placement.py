@@ -248,7 +248,9 @@ def trainer_mesh_memory(p: Problem, cfg: TrainCfg, extra_resident: float = 0.0) 
         roles[role.name] = _infer_state(p, role, cfg)
         host[role.name] = cost.MemoryBreakdown()
         offloaded[role.name] = ("params",) if cfg.offload else ()
-    phases = [[r.name for r in p.roles_of("infer")] + [p.policy.name]] + [[r.name] for r in p.roles_of("train")]
+    # Train roles that also run forwards (a critic's values, the old policy's log-probs) keep their
+    # weights in every phase anyway (only their gradients and optimizer state are offloaded).
+    phases = [[r.name for r in p.roles_of("infer")]] + [[r.name] for r in p.roles_of("train")]
     peak = 0.0
     for active in phases:
         total = extra_resident
@@ -293,36 +295,53 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
     return t + p.hw.op_overhead_s, min(concurrent, share)
 
 
-def trainer_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
-    """Seconds per step of the trainer mesh's phases: frozen forwards ('infer') and updates ('train')."""
+def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
+    """Seconds per step of each op kind of each role on the trainer mesh, keyed 'Kind:role'
+    (e.g. 'TrainStep:policy', 'Logprob:reference'); the instruction durations the simulator uses."""
     w = p.workload
     spans_dp = p.spans(cfg.first, cfg.n) if cfg.dp * cfg.fsdp > 1 else False
     common = dict(seq_len=w.seq_len, hw=p.hw, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
                   intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp)
-    infer = 0.0
-    for role in p.roles_of("infer"):
-        infer += cost.forward_time(role.dims, tokens=w.tokens, **common).total_s + p.hw.op_overhead_s
-    train = 0.0
-    for role in p.roles_of("train"):
+    out: dict[str, float] = {}
+    for role in p.roles_of("infer", "train"):
+        forward = cost.forward_time(role.dims, tokens=w.tokens, **common).total_s + p.hw.op_overhead_s
+        if role.kind == "infer":
+            out[f"Forward:{role.name}"] = forward
+            continue
         step = cost.training_step_time(
             role.dims, tokens=w.tokens, seq_len=w.seq_len, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
             sharding=cfg.sharding, recompute=cfg.recompute, hw=p.hw,  # type: ignore[arg-type]
             intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp,
         )
-        train += step.total_s * w.updates_per_step + p.hw.op_overhead_s
-        # Critics (and any other train role besides the policy) also run a forward for their values.
+        out[f"TrainStep:{role.name}"] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
+        # Critics (and any train role besides the policy) also run a forward for their values.
         if role is not p.policy:
-            infer += cost.forward_time(role.dims, tokens=w.tokens, **common).total_s + p.hw.op_overhead_s
-    offload = 0.0
-    if cfg.offload:
-        moved = 0.0
-        for role in p.roles_of("train"):
-            dev, _ = _train_state(p, role, cfg)
-            moved += dev.grads + dev.optimizer
-        for role in p.roles_of("infer"):
-            moved += _infer_state(p, role, cfg).params
-        offload = 2 * cost.offload_time(moved, p.hw)  # out and back each step
-    return {"infer": infer, "train": train, "offload": offload}
+            out[f"Forward:{role.name}"] = forward
+    return out
+
+
+def offload_bytes(p: Problem, cfg: TrainCfg) -> float:
+    """Bytes per device moved to host (and back) each step when the candidate offloads idle state."""
+    if not cfg.offload:
+        return 0.0
+    moved = 0.0
+    for role in p.roles_of("train"):
+        dev, _ = _train_state(p, role, cfg)
+        moved += dev.grads + dev.optimizer
+    for role in p.roles_of("infer"):
+        moved += _infer_state(p, role, cfg).params
+    return moved
+
+
+def trainer_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
+    """Seconds per step of the trainer mesh's phases: frozen forwards ('infer'), updates ('train') and
+    moving idle state to host and back ('offload')."""
+    per_role = role_times(p, cfg)
+    return {
+        "infer": sum(v for k, v in per_role.items() if k.startswith("Forward:")),
+        "train": sum(v for k, v in per_role.items() if k.startswith("TrainStep:")),
+        "offload": 2 * cost.offload_time(offload_bytes(p, cfg), p.hw),
+    }
 
 
 def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:

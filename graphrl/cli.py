@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import click
+from pydantic import ValidationError
 
 from graphrl import __version__
-from graphrl.errors import GraphRLError, InternalError, JobError, Location
+from graphrl.errors import GraphRLError, InternalError, JobError, Location, format_path
 from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob, SourceMap, job_cluster, load_job
 from graphrl.schemas.job import JobSpec
@@ -47,6 +48,13 @@ class GraphRLGroup(click.Group):
             ctx.exit(1)
 
 
+def _script_location(script: Path, exc: BaseException) -> Location:
+    """The line of `script` that the exception passed through last (the user's call that failed)."""
+    target = script.resolve()
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == target]
+    return Location(str(script), lines[-1] if lines else None)
+
+
 def load_any(path: str) -> LoadedJob:
     """A job from YAML, or from a Python file defining `build_job()` (or a `job` JobSpec)."""
     p = Path(path)
@@ -54,15 +62,20 @@ def load_any(path: str) -> LoadedJob:
         return load_job(p)
     if not p.exists():
         raise JobError(f"file not found: {p}", fix="check the path")
-    try:
+    try:  # build_job() runs inside the try too: its mistakes are the script's, located in it
         namespace = runpy.run_path(str(p))
+        factory: Callable[[], Any] | None = namespace.get("build_job")
+        spec = factory() if callable(factory) else namespace.get("job")
     except GraphRLError as exc:
-        raise exc.located(Location(str(p)))
+        raise exc.located(_script_location(p, exc))
     except Exception as exc:
-        raise JobError(f"running the Python job raised {type(exc).__name__}: {exc}", location=Location(str(p)),
+        first_line = (str(exc).splitlines() or [""])[0]  # pydantic's messages span many lines
+        if isinstance(exc, ValidationError):
+            err = exc.errors()[0]
+            first_line = f"{exc.title}: {format_path(err['loc'])}: {err['msg']}"
+        raise JobError(f"running the Python job raised {type(exc).__name__}: {first_line}",
+                       location=_script_location(p, exc),
                        fix="fix the script (rerun with --debug for the traceback)") from exc
-    factory: Callable[[], Any] | None = namespace.get("build_job")
-    spec = factory() if callable(factory) else namespace.get("job")
     if not isinstance(spec, JobSpec):
         raise JobError("a Python job file must define build_job() returning a JobSpec (or a `job` variable)",
                        location=Location(str(p)), fix="see examples/grpo_tiny.py")
@@ -199,3 +212,67 @@ def calibrate(output: Path | None, no_p2p: bool) -> None:
     write_calibration(spec, target)
     click.echo(f"wrote {target}: peak {spec.peak_bf16_flops / 1e9:.1f} GFLOP/s, memory {spec.memory_bandwidth / 1e9:.1f} GB/s, "
                f"p2p {spec.intra_node_bandwidth / 1e9:.2f} GB/s")
+
+
+def _load_plan_or_compile(target: str, cluster: str | None, **options):  # noqa: ANN201
+    """A plan file (msgpack) as it is, or a job compiled now."""
+    from graphrl.plan_io import MAGIC, load_plan
+
+    path = Path(target)
+    if path.suffix in (".msgpack", ".plan") or (path.is_file() and path.read_bytes()[:64].find(MAGIC.encode()) >= 0):
+        if options.get("steps") or cluster:
+            click.echo("warning: --steps and --cluster are ignored for a compiled plan file", err=True)
+        return load_plan(path)
+    return _compile(target, cluster, **options)
+
+
+@main.command()
+@click.argument("plan", type=click.Path(path_type=str))
+@click.option("--rank", "-r", type=int, multiple=True, help="Only these ranks (repeatable). Default: one per mesh.")
+@click.option("--all-ranks", is_flag=True, help="Every rank.")
+@click.option("--limit", type=int, default=60, show_default=True, help="Instructions shown per rank (0 = all).")
+def inspect(plan: str, rank: tuple[int, ...], all_ranks: bool, limit: int) -> None:
+    """Print the per-rank programs of PLAN (a plan file, or a job compiled on the fly)."""
+    from graphrl.schemas.program import describe
+
+    p = _load_plan_or_compile(plan, None)
+    if p.programs is None:
+        raise click.UsageError("this plan has no programs")
+    progs = p.programs
+    if all_ranks:
+        ranks = list(range(progs.num_ranks))
+    elif rank:
+        bad = [r for r in rank if not 0 <= r < progs.num_ranks]
+        if bad:
+            from graphrl.errors import GraphRLError as _E
+            raise _E(f"rank {bad[0]} does not exist; the plan has ranks 0-{progs.num_ranks - 1}", fix="pick a rank in range")
+        ranks = list(rank)
+    else:
+        ranks = sorted({m.first_device for m in p.chosen.meshes})
+    click.echo(f"plan {p.job.name}: {progs.num_ranks} ranks, {progs.steps} steps, {p.chosen.label}")
+    for g, members in progs.groups.items():
+        shown = f"{members[0]}-{members[-1]}" if len(members) > 1 and list(members) == list(range(members[0], members[-1] + 1)) else ",".join(map(str, members))
+        click.echo(f"  group {g}: {shown}")
+    for r in ranks:
+        stream = progs.streams[r]
+        click.echo(f"\nrank {r}: {len(stream)} instructions")
+        for i, ins in enumerate(stream if limit == 0 else stream[:limit]):
+            click.echo(f"  {i:>5}  {describe(ins)}")
+        if limit and len(stream) > limit:
+            click.echo(f"  ... {len(stream) - limit} more (--limit 0 shows all)")
+
+
+@main.command()
+@click.argument("target", type=click.Path(path_type=str))
+@click.option("--cluster", "-c", help="Cluster preset or file (for a JOB).")
+@click.option("--steps", type=int, help="Steps to simulate (default: the job's).")
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write a Chrome trace JSON (Perfetto).")
+@click.option("--gantt/--no-gantt", default=True, show_default=True, help="Print a text Gantt chart.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | None, gantt: bool, fmt: str) -> None:
+    """Simulate the programs of TARGET (a job or a plan file): seconds per step, busy fractions, timeline."""
+    from graphrl.compiler.simreport import simulate_report
+
+    plan = _load_plan_or_compile(target, cluster, steps=steps)
+    report = simulate_report(plan, trace_path=trace, gantt=gantt and fmt == "text")
+    click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)

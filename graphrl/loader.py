@@ -84,8 +84,8 @@ def _scalar(node: yaml.Node, path: Path_, source: SourceMap, error: type[GraphRL
     """A scalar resolved with the safe loader's rules; a tag it cannot construct is a located error."""
     if node.tag == "tag:yaml.org,2002:str":
         return node.value
-    try:
-        return yaml.safe_load(yaml.serialize(node))
+    try:  # construct the node itself: a round trip through text loses empty values (`key:` is null)
+        return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
     except (yaml.YAMLError, ValueError, TypeError) as exc:  # `!!int abc` raises ValueError, `!foo` a YAMLError
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise error(f"invalid YAML value {node.value!r} (tag {node.tag}): {problem}", path=path,
@@ -121,6 +121,8 @@ def _to_python(node: yaml.Node, path: Path_, source: SourceMap, error: type[Grap
                             location=Location(source.file, key_node.start_mark.line + 1, key_node.start_mark.column + 1),
                             fix="each name may appear once; rename or remove one of them")
             out[key] = _to_python(value_node, path + (key,), source, error)
+            if isinstance(value_node, yaml.CollectionNode):  # a block's errors point at its key, not its first child
+                source.positions[path + (key,)] = (key_at.line, key_at.column)
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_python(item, path + (i,), source, error) for i, item in enumerate(node.value)]
@@ -138,6 +140,11 @@ def parse_yaml(text: str, file: str | None, error: type[GraphRLError]) -> tuple[
         loc = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file)
         raise error(f"invalid YAML: {exc.problem or exc.context}", location=loc,
                     fix="fix the YAML syntax at this position") from None
+    except yaml.reader.ReaderError as exc:  # a control character; it knows only its offset
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - text.rfind("\n", 0, exc.position)
+        raise error(f"invalid YAML: character #x{exc.character:04x} is not allowed ({exc.reason})",
+                    location=Location(file, line, column), fix="remove the control character") from None
     except yaml.YAMLError as exc:
         raise error(f"invalid YAML: {exc}", location=Location(file)) from None
     if node is None:

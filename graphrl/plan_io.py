@@ -16,12 +16,15 @@ from pydantic import ValidationError
 
 from graphrl.errors import Location, PlanFileError
 from graphrl.schemas.plan import PLAN_FORMAT_VERSION, Plan
+from graphrl.schemas.program import Programs
 
 MAGIC = "graphrl_plan"
 
 
 def plan_to_bytes(plan: Plan) -> bytes:
-    return msgpack.packb({MAGIC: PLAN_FORMAT_VERSION, "plan": plan.model_dump(mode="json")}, use_bin_type=True)
+    body = {MAGIC: PLAN_FORMAT_VERSION, "plan": plan.model_dump(mode="json", exclude={"programs"}),
+            "programs": plan.programs.to_data() if plan.programs is not None else None}
+    return msgpack.packb(body, use_bin_type=True)
 
 
 def plan_from_bytes(data: bytes, source: str = "<bytes>") -> Plan:
@@ -38,7 +41,11 @@ def plan_from_bytes(data: bytes, source: str = "<bytes>") -> Plan:
         raise PlanFileError(f"plan format version {obj[MAGIC]} is not supported (this graphrl reads {PLAN_FORMAT_VERSION})",
                             location=where, fix="recompile the job with this graphrl")
     try:
-        return Plan.model_validate(obj["plan"])
+        programs = Programs.from_data(obj["programs"]) if obj.get("programs") is not None else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanFileError(f"plan file has corrupted programs: {exc}", location=where, fix="recompile the job") from None
+    try:
+        return Plan.model_validate({**obj["plan"], "programs": programs})
     except ValidationError as exc:
         raise PlanFileError(f"plan file is corrupted: {exc.errors()[0]['msg']} at "
                             f"{'.'.join(map(str, exc.errors()[0]['loc']))}", location=where,

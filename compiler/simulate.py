@@ -1,0 +1,281 @@
+"""Running per-rank programs symbolically: the verifier's deadlock check and the discrete-event simulator.
+
+Both walk exactly the instruction streams the executors run, with blocking semantics:
+- a group instruction (an FSDP train step, a DDMA weight sync, a tensor-parallel generate) starts when
+  every rank of its group has reached the same instruction, and ends for all of them together;
+- a `Send` and its `Recv` (same tag) rendezvous: each waits for the other;
+- everything else runs locally.
+
+With `timed=True` each instruction takes its predicted duration (`Programs.durations`); transfers
+occupy the sender's outgoing and the receiver's incoming link, so concurrent transfers through one
+link queue. The result is the steady-state seconds per step, each rank's busy fraction, and optionally
+a timeline (Chrome trace JSON for Perfetto, and a text Gantt).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphrl.errors import VerifyError
+from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.program import (
+    Instruction,
+    Offload,
+    Onload,
+    Programs,
+    Recv,
+    Send,
+    TrainStep,
+    describe,
+    label,
+)
+
+from graphrl.compiler.schedule import cost_key
+
+_IGNORED_IN_KEY = {"start", "stop", "num_bytes", "peer", "tag"}
+
+
+_KEY_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def group_key(ins: Instruction) -> tuple:
+    """What every member of a group must agree on: the type and the operands that are not per-rank."""
+    cls = type(ins)
+    names = _KEY_FIELDS.get(cls)
+    if names is None:
+        names = _KEY_FIELDS[cls] = tuple(f for f in cls.__dataclass_fields__ if f not in _IGNORED_IN_KEY)  # type: ignore[attr-defined]
+    return (cls,) + tuple([getattr(ins, f) for f in names])
+
+
+@dataclass
+class Span:
+    rank: int
+    name: str
+    category: str
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    makespan_s: float
+    step_time_s: float
+    step_done_s: list[float]
+    busy_fraction: list[float]
+    spans: list[Span] = field(default_factory=list)
+    flows: list[tuple[int, int, float, float]] = field(default_factory=list)  # (src, dst, start, end)
+
+
+def _group_of(ins: Instruction) -> str:
+    return getattr(ins, "group", "") or ""
+
+
+def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_per_node: int = 1,
+                 timed: bool = False, trace_ranks: set[int] | None = None) -> SimResult:
+    """Execute all streams with blocking semantics. Raises VerifyError naming the rank, the
+    instruction index and the reason when the programs deadlock or disagree within a group."""
+    streams = programs.streams
+    n = len(streams)
+    groups = programs.groups
+    durations = programs.durations
+    pc = [0] * n
+    clock = [0.0] * n
+    busy = [0.0] * n
+    link_out = [0.0] * n
+    link_in = [0.0] * n
+    arrivals: dict[tuple[str, tuple], list[int]] = defaultdict(list)
+    waiting_at: dict[int, tuple[str, tuple]] = {}  # rank -> group arrival key it waits in
+    pending_p2p: dict[int, int] = {}  # tag -> rank that posted first
+    step_done: dict[int, float] = {}
+    spans: list[Span] = []
+    flows: list[tuple[int, int, float, float]] = []
+    trace = timed and trace_ranks is not None
+    dur_cache: dict[tuple, float] = {}
+
+    def duration(ins: Instruction) -> float:
+        if isinstance(ins, (Offload, Onload)):
+            assert hw is not None
+            return ins.num_bytes / hw.host_link_bandwidth
+        key = cost_key(ins)
+        value = durations.get(key)
+        if value is None:
+            raise VerifyError(f"no predicted duration for {key}", fix="this is a compiler bug; please report it")
+        return value
+
+    def p2p_time(ins: Send | Recv, src: int, dst: int) -> float:
+        assert hw is not None
+        spans_nodes = src // devices_per_node != dst // devices_per_node
+        bw = (hw.inter_node_bandwidth if spans_nodes else hw.intra_node_bandwidth) * hw.link_efficiency
+        return ins.num_bytes / bw + hw.link_latency_s
+
+    def finish(ranks: list[int] | tuple[int, ...], ins: Instruction, start: float, dur: float) -> None:
+        end = start + dur
+        for r in ranks:
+            clock[r] = end
+            busy[r] += dur
+            pc[r] += 1
+            if trace and r in trace_ranks:  # type: ignore[operator]
+                spans.append(Span(r, label(ins), type(ins).__name__, start, end))
+        if isinstance(ins, TrainStep):
+            step_done[ins.step] = max(step_done.get(ins.step, 0.0), end)
+
+    ready = list(range(n))
+    while ready:
+        rank = ready.pop()
+        stream = streams[rank]
+        while pc[rank] < len(stream):
+            if rank in waiting_at:
+                break
+            ins = stream[pc[rank]]
+            if isinstance(ins, (Send, Recv)):
+                tag = ins.tag
+                other = pending_p2p.get(tag)
+                if other == rank:
+                    break  # already posted; still waiting for the peer
+                if other is None:
+                    pending_p2p[tag] = rank
+                    break  # wait for the peer
+                peer_ins = streams[other][pc[other]]
+                expected = Recv if isinstance(ins, Send) else Send
+                if not isinstance(peer_ins, expected) or ins.peer != other or peer_ins.peer != rank:
+                    raise VerifyError(
+                        f"rank {rank} instruction {pc[rank]} ({describe(ins)}) meets rank {other} "
+                        f"instruction {pc[other]} ({describe(peer_ins)}) with the same tag but they do not match",
+                        fix="compiler bug: sends and receives must pair up")
+                del pending_p2p[tag]
+                src, dst = (rank, other) if isinstance(ins, Send) else (other, rank)
+                if timed:
+                    start = max(clock[rank], clock[other], link_out[src], link_in[dst])
+                    dur = p2p_time(ins, src, dst)
+                    link_out[src] = link_in[dst] = start + dur
+                    if trace and (src in trace_ranks or dst in trace_ranks):  # type: ignore[operator]
+                        flows.append((src, dst, start, start + dur))
+                else:
+                    start = dur = 0.0
+                finish((rank, other), ins, start, dur)
+                ready.append(other)
+                continue
+            group_name = _group_of(ins)
+            if group_name:
+                members = groups.get(group_name)
+                if members is None:
+                    raise VerifyError(f"rank {rank} instruction {pc[rank]} ({describe(ins)}) names unknown group {group_name!r}")
+                if rank not in members:
+                    raise VerifyError(f"rank {rank} instruction {pc[rank]} ({describe(ins)}) is not in its group {group_name!r}")
+                if len(members) > 1:
+                    key = (group_name, group_key(ins))
+                    arrived = arrivals[key]
+                    arrived.append(rank)
+                    if len(arrived) < len(members):
+                        waiting_at[rank] = key
+                        break
+                    del arrivals[key]
+                    start = max(clock[r] for r in arrived) if timed else 0.0
+                    dur = duration(ins) if timed else 0.0
+                    for r in arrived:
+                        waiting_at.pop(r, None)
+                    finish(members, ins, start, dur)
+                    ready.extend(r for r in members if r != rank)
+                    continue
+            dur = duration(ins) if timed else 0.0
+            finish((rank,), ins, clock[rank], dur)
+
+    unfinished = [r for r in range(n) if pc[r] < len(streams[r])]
+    if unfinished:
+        raise _deadlock(programs, pc, unfinished, waiting_at, pending_p2p)
+    makespan = max(clock) if clock else 0.0
+    done = [step_done[k] for k in sorted(step_done)]
+    if len(done) >= 4:
+        k0 = len(done) // 2
+        step_time = (done[-1] - done[k0]) / (len(done) - 1 - k0)
+    elif done:
+        step_time = done[-1] / len(done)
+    else:
+        step_time = makespan / max(programs.steps, 1)
+    busy_fraction = [b / makespan if makespan > 0 else 0.0 for b in busy]
+    return SimResult(makespan, step_time, done, busy_fraction, spans, flows)
+
+
+def _deadlock(programs: Programs, pc: list[int], unfinished: list[int], waiting_at: dict,
+              pending_p2p: dict[int, int]) -> VerifyError:
+    rank = unfinished[0]
+    ins = programs.streams[rank][pc[rank]]
+    if isinstance(ins, (Send, Recv)):
+        peer = ins.peer
+        peer_ins = programs.streams[peer][pc[peer]] if pc[peer] < len(programs.streams[peer]) else None
+        reason = (f"waits for rank {peer} to {'receive' if isinstance(ins, Send) else 'send'} (tag {ins.tag}), "
+                  f"but rank {peer} is at " + (f"instruction {pc[peer]} ({describe(peer_ins)})" if peer_ins else "its end"))
+    elif rank in waiting_at:
+        group_name, _ = waiting_at[rank]
+        members = programs.groups[group_name]
+        missing = [r for r in members if waiting_at.get(r) != waiting_at[rank]]
+        other = missing[0]
+        other_at = (f"instruction {pc[other]} ({describe(programs.streams[other][pc[other]])})"
+                    if pc[other] < len(programs.streams[other]) else "its end")
+        reason = f"waits for group {group_name!r}, but rank {other} is at {other_at}"
+    else:
+        reason = "cannot proceed"
+    return VerifyError(f"deadlock: rank {rank} instruction {pc[rank]} ({describe(ins)}) {reason} "
+                       f"({len(unfinished)} ranks stuck)", fix="the programs' order of sends, receives and group "
+                       "instructions must agree across ranks")
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def chrome_trace(result: SimResult, rank_names: dict[int, str] | None = None) -> dict[str, Any]:
+    """Chrome trace JSON (opens in Perfetto / chrome://tracing): one process row per rank, instructions as
+    spans, transfers as flow arrows. Times in microseconds."""
+    events: list[dict[str, Any]] = []
+    ranks = sorted({s.rank for s in result.spans} | {f[0] for f in result.flows} | {f[1] for f in result.flows})
+    for r in ranks:
+        name = f"rank {r}" + (f" ({rank_names[r]})" if rank_names and r in rank_names else "")
+        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": name}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
+    for s in result.spans:
+        events.append({"ph": "X", "name": s.name, "cat": s.category, "pid": s.rank, "tid": 0,
+                       "ts": s.start * 1e6, "dur": max((s.end - s.start) * 1e6, 0.001)})
+    for i, (src, dst, start, end) in enumerate(result.flows):
+        events.append({"ph": "s", "id": i, "name": "transfer", "cat": "p2p", "pid": src, "tid": 0, "ts": start * 1e6})
+        events.append({"ph": "f", "id": i, "name": "transfer", "cat": "p2p", "pid": dst, "tid": 0, "ts": end * 1e6,
+                       "bp": "e"})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(result: SimResult, path: Path, rank_names: dict[int, str] | None = None) -> None:
+    path.write_text(json.dumps(chrome_trace(result, rank_names)))
+
+
+_GANTT_CHARS = {"Generate": "G", "TrainStep": "T", "Logprob": "F", "Value": "F", "Reward": "R", "Advantage": "a",
+                "Send": ">", "Recv": "<", "WeightSync": "S", "ReshardInPlace": "S", "Offload": "o", "Onload": "o",
+                "Checkpoint": "C", "ReleaseWeights": "."}
+
+
+def text_gantt(result: SimResult, ranks: list[int], width: int = 100, names: dict[int, str] | None = None) -> str:
+    """One line per rank: which instruction kind occupies each slice of time (longest wins)."""
+    if result.makespan_s <= 0:
+        return ""
+    dt = result.makespan_s / width
+    lines = []
+    by_rank: dict[int, list[Span]] = defaultdict(list)
+    for s in result.spans:
+        by_rank[s.rank].append(s)
+    for r in ranks:
+        occupancy = [dict() for _ in range(width)]  # type: list[dict[str, float]]
+        for s in by_rank.get(r, []):
+            first, last = int(s.start / dt), min(int(s.end / dt), width - 1)
+            for c in range(first, last + 1):
+                lo, hi = max(s.start, c * dt), min(s.end, (c + 1) * dt)
+                if hi > lo:
+                    occupancy[c][s.category] = occupancy[c].get(s.category, 0.0) + hi - lo
+        row = "".join(_GANTT_CHARS.get(max(o, key=o.get), "?") if o and max(o.values()) > dt * 0.2 else "."
+                      for o in occupancy)
+        name = (names or {}).get(r, "")
+        lines.append(f"{('rank ' + str(r) + ' ' + name)[:22]:<22} |{row}|")
+    legend = "G generate  F forward  R reward  T train  S weight sync  < > transfer  o offload  C checkpoint  . idle"
+    return "\n".join(lines + [f"{'':<22}  0{'':<{width - 12}}{result.makespan_s:10.3g}s", legend])

@@ -1,0 +1,117 @@
+"""The verify pass: the programs cannot deadlock, memory fits at every instruction, staleness holds.
+
+- **deadlock**: the programs are run symbolically with blocking semantics (graphrl.compiler.simulate);
+  every `Send` must meet its `Recv`, every group instruction its whole group.
+- **memory**: a ledger per rank of the bytes each role keeps on the device (weights, gradients,
+  optimizer state, minus what is offloaded), plus the transient bytes (activations, KV cache) of the
+  instruction running; it must stay within the device's usable memory at every instruction.
+- **staleness**: every `Generate` uses the version its rank holds, which was synced after the train step
+  that produced it; `sync` plans generate step i with version i, `async` ones with a version no older
+  than i - max_staleness.
+Each violation is a `VerifyError` naming the rank, the instruction index and the reason.
+"""
+
+from __future__ import annotations
+
+from graphrl.errors import VerifyError
+from graphrl.schemas.plan import Layout
+from graphrl.schemas.program import (
+    Generate,
+    Logprob,
+    Offload,
+    Onload,
+    Programs,
+    ReleaseWeights,
+    ReshardInPlace,
+    Reward,
+    TrainStep,
+    Value,
+    WeightSync,
+    describe,
+)
+
+from graphrl.compiler.simulate import run_programs
+
+_STATE = ("params", "grads", "optimizer")
+
+
+def _ranks_of(layout: Layout, mesh_name: str) -> range:
+    mesh = next(m for m in layout.meshes if m.name == mesh_name)
+    return mesh.devices
+
+
+def check_memory(programs: Programs, layout: Layout, usable_bytes: float) -> float:
+    """Walk each rank's program with a ledger; return the highest bytes seen on any device."""
+    placements = {p.role: p for p in layout.placements}
+    highest = 0.0
+    for rank, stream in enumerate(programs.streams):
+        resident: dict[str, dict[str, float]] = {}
+        for p in layout.placements:
+            if rank in _ranks_of(layout, p.mesh):
+                colocated_generator = p.kind == "generate" and layout.strategy == "colocated"
+                resident[p.role] = {} if colocated_generator else {k: getattr(p.memory_bytes, k) for k in _STATE}
+        held = sum(sum(v.values()) for v in resident.values())
+        for index, ins in enumerate(stream):
+            transient = 0.0
+            if isinstance(ins, Offload):
+                state = resident.get(ins.role, {})
+                held -= sum(state.pop(k, 0.0) for k in ins.state)
+            elif isinstance(ins, Onload):
+                state = resident.setdefault(ins.role, {})
+                for k in ins.state:
+                    held -= state.get(k, 0.0)
+                    state[k] = getattr(placements[ins.role].memory_bytes, k)
+                    held += state[k]
+            elif isinstance(ins, (ReshardInPlace, ReleaseWeights)):
+                role = ins.dst_role if isinstance(ins, ReshardInPlace) else ins.role
+                held -= sum(resident.get(role, {}).values())
+                resident[role] = {"params": placements[role].memory_bytes.params} if isinstance(ins, ReshardInPlace) else {}
+                held += sum(resident[role].values())
+            elif isinstance(ins, (Generate, Logprob, Value, Reward, TrainStep)) and ins.role:
+                m = placements[ins.role].memory_bytes
+                state = resident.get(ins.role, {})
+                needed = _STATE if isinstance(ins, TrainStep) else ("params",)
+                missing = [k for k in needed if getattr(m, k) > 0 and k not in state]
+                if missing:
+                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): {ins.role}'s "
+                                      f"{', '.join(missing)} are not on the device (offloaded and never onloaded)")
+                transient = m.activations + m.kv_cache
+            total = held + transient
+            if total > highest:
+                highest = total
+            if total > usable_bytes * (1 + 1e-9):
+                raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): device memory "
+                                  f"{total / 1e9:.2f} GB exceeds the usable {usable_bytes / 1e9:.2f} GB",
+                                  fix="offload idle state, shard further, or use more devices")
+    return highest
+
+
+def check_staleness(programs: Programs, mode: str, max_staleness: int) -> None:
+    produced: set[int] = {0}
+    for stream in programs.streams:
+        for ins in stream:
+            if isinstance(ins, TrainStep):
+                produced.add(ins.version)
+    for rank, stream in enumerate(programs.streams):
+        held: int | None = None
+        for index, ins in enumerate(stream):
+            if isinstance(ins, (WeightSync, ReshardInPlace)):
+                if ins.version not in produced:
+                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): version {ins.version} "
+                                      "is never produced by a train step")
+                held = ins.version
+            elif isinstance(ins, Generate):
+                if held != ins.version:
+                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): generates with version "
+                                      f"{ins.version} but holds {held}", fix="compiler bug: a weight sync is missing")
+                lowest = ins.step if mode == "sync" else ins.step - max_staleness
+                if ins.version < lowest or ins.version > ins.step:
+                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): version {ins.version} "
+                                      f"breaks the staleness bound ({mode}, max_staleness {max_staleness})")
+
+
+def verify_programs(programs: Programs, layout: Layout, usable_bytes: float, mode: str, max_staleness: int) -> float:
+    """Run every check; return the peak device bytes the ledger saw."""
+    run_programs(programs)  # deadlock and group agreement
+    check_staleness(programs, mode, max_staleness)
+    return check_memory(programs, layout, usable_bytes)
