@@ -1,0 +1,65 @@
+"""Simulator and scheduler speed at 405B scale, and predicted speed-ups of the paper-scale examples.
+
+    python benchmarks/bench_simulate.py
+
+Targets: simulating 100 steps of the 405B plan on 1024 ranks in under 10 s; compile + verify of that
+plan in under 15 s (2-core machine). Then, side by side for 8B / 70B / 405B: the chosen plan's
+simulated seconds per step, the colocated-synchronous baseline's, and the ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("GRAPHRL_CALIBRATION", "none")
+
+from graphrl.compiler.compile import compile_graph  # noqa: E402
+from graphrl.compiler.schedule import build_programs  # noqa: E402
+from graphrl.compiler.simulate import run_programs  # noqa: E402
+from graphrl.loader import job_cluster, load_job  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    ok = True
+    job = load_job(ROOT / "examples" / "llama3_405b.yaml")
+    cluster = job_cluster(job, None)
+    t = time.perf_counter()
+    graph = compile_graph(job, cluster, steps=100)
+    compile_s = time.perf_counter() - t
+    programs = graph["programs"]
+    problem = graph["placement"]["problem"]
+    instructions = sum(len(s) for s in programs.streams)
+    t = time.perf_counter()
+    sim = run_programs(programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True)
+    sim_s = time.perf_counter() - t
+    print(f"405B on {cluster.num_devices} ranks, 100 steps, {instructions} instructions")
+    print(f"  compile + schedule + verify: {compile_s:6.2f} s (target < 15 s) {'PASS' if compile_s < 15 else 'FAIL'}")
+    print(f"  simulate:                    {sim_s:6.2f} s (target < 10 s) {'PASS' if sim_s < 10 else 'FAIL'}"
+          f"  ({instructions / sim_s:,.0f} instructions/s)")
+    ok &= compile_s < 15 and sim_s < 10
+
+    print(f"\n{'example':<12} {'chosen s/step':>14} {'baseline s/step':>16} {'speed-up':>9}  {'sync':>9} {'async':>9}  chosen")
+    for name in ("llama3_8b", "llama3_70b", "llama3_405b"):
+        job = load_job(ROOT / "examples" / f"{name}.yaml")
+        graph = compile_graph(job, job_cluster(job, None), steps=20)
+        pl = graph["placement"]
+        problem = pl["problem"]
+
+        def simulate(programs):  # noqa: ANN001, ANN202
+            return run_programs(programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
+
+        chosen = simulate(graph["programs"])
+        baseline = simulate(build_programs(graph, problem, pl["baseline_eval"], pl["baseline"], steps=20, mode="sync"))
+        sync = simulate(build_programs(graph, problem, pl["chosen_eval"], pl["chosen"], steps=20, mode="sync"))
+        print(f"{name:<12} {chosen:14.1f} {baseline:16.1f} {baseline / chosen:8.2f}x  {sync:9.1f} {chosen:9.1f}  "
+              f"{pl['chosen'].label}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Layouts as data: meshes, placements, pp stages, the region each rank holds, Llama names."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphrl.compiler.layout import (
+    Mesh,
+    MeshAxis,
+    ParamInfo,
+    Replicate,
+    Shard,
+    llama_param_layout,
+    llama_params,
+    pp_stage,
+    shard_bounds,
+    shard_region,
+    split_bounds,
+)
+from graphrl.errors import GraphRLError, PlacementError
+from graphrl.schemas.model import MODEL_PRESETS, ModelDims
+
+DP, FSDP, TP, PP = MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP, MeshAxis.PP
+
+
+# --- meshes -----------------------------------------------------------------------------------
+
+
+def test_mesh_coords_are_row_major_over_the_given_devices() -> None:
+    mesh = Mesh((10, 11, 12, 13, 14, 15), ((DP, 2), (TP, 3)))
+    assert mesh.coords(10) == {DP: 0, TP: 0}
+    assert mesh.coords(12) == {DP: 0, TP: 2}
+    assert mesh.coords(13) == {DP: 1, TP: 0}
+    assert mesh.size(TP) == 3 and mesh.size(PP) == 1
+    assert mesh.ranks() == (10, 11, 12, 13, 14, 15)
+    assert Mesh.contiguous([("fsdp", 4), ("tp", 2)], first_rank=8).ranks() == tuple(range(8, 16))
+
+
+def test_mesh_accepts_axis_names_as_strings_and_compares_by_value() -> None:
+    assert Mesh([0, 1], [("tp", 2)]) == Mesh((0, 1), ((TP, 2),))
+
+
+@pytest.mark.parametrize(
+    "devices, axes",
+    [
+        ((0, 1, 2), ((DP, 2),)),  # product 2 != 3 devices
+        ((0, 1, 2, 3), ((DP, 2), (DP, 2))),  # axis twice
+        ((0, 0), ((TP, 2),)),  # a device twice
+        ((0, 1), (("xp", 2),)),  # unknown axis
+        ((), ()),  # nothing
+    ],
+)
+def test_mesh_rejects_inconsistent_descriptions(devices: tuple, axes: tuple) -> None:
+    with pytest.raises(PlacementError):
+        Mesh(devices, axes)
+
+
+def test_coords_of_a_foreign_rank_is_an_error() -> None:
+    with pytest.raises(PlacementError, match="not in mesh"):
+        Mesh((0, 1), ((TP, 2),)).coords(5)
+
+
+# --- splits -----------------------------------------------------------------------------------
+
+
+@given(st.integers(0, 40), st.integers(1, 9))
+def test_split_bounds_follow_torch_tensor_split(length: int, num_pieces: int) -> None:
+    pieces = torch.tensor_split(torch.arange(length), num_pieces)
+    for i, piece in enumerate(pieces):
+        start, stop = split_bounds(length, num_pieces, i)
+        assert torch.equal(piece, torch.arange(start, stop))
+
+
+def test_two_axes_on_one_dim_nest_in_mesh_order() -> None:
+    """fsdp (first axis) splits dim 0 into 2; tp (second) splits each half into 3: 10 -> 5,5 -> 2,2,1."""
+    mesh = Mesh.contiguous([(FSDP, 2), (TP, 3)])
+    param = ParamInfo("w", (10, 4))
+    layout = {FSDP: Shard(0), TP: Shard(0)}
+    rows = [shard_bounds(param, mesh, r, layout)[0] for r in mesh.ranks()]
+    assert rows == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+    sizes=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+    choice=st.data(),
+)
+def test_regions_match_nested_tensor_split_and_replicas_cover_each_element_equally(shape, sizes, choice) -> None:
+    axes = [(DP, sizes[0]), (FSDP, sizes[1]), (TP, sizes[2])]
+    order = choice.draw(st.permutations(axes))
+    mesh = Mesh.contiguous(order)
+    layout = {
+        axis: choice.draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(len(shape))])) for axis, _ in axes
+    }
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    param = ParamInfo("w", shape)
+    count = torch.zeros(shape, dtype=torch.int64)
+    for rank in mesh.ranks():
+        region = shard_region(param, mesh, rank, layout)
+        # Reference: cut the full tensor with tensor_split, axis by axis in mesh order.
+        expected = full
+        coords = mesh.coords(rank)
+        for axis, size in mesh.axes:
+            if isinstance(layout[axis], Shard):
+                expected = torch.tensor_split(expected, size, dim=layout[axis].dim)[coords[axis]]
+        assert torch.equal(full[region], expected)
+        count[region] += 1
+    replicas = math.prod(size for axis, size in axes if isinstance(layout[axis], Replicate))
+    assert bool((count == replicas).all())
+
+
+def test_pp_cannot_shard_and_shard_dims_must_exist() -> None:
+    mesh = Mesh.contiguous([(PP, 2)])
+    with pytest.raises(PlacementError, match="pp"):
+        shard_region(ParamInfo("w", (4,), 0, 2), mesh, 0, {PP: Shard(0)})
+    with pytest.raises(PlacementError, match="names no dim"):
+        shard_region(ParamInfo("w", (4,)), Mesh.contiguous([(TP, 2)]), 0, {TP: Shard(1)})
+
+
+# --- pipeline stages --------------------------------------------------------------------------
+
+
+@given(st.integers(1, 20), st.integers(1, 8))
+def test_layers_split_contiguously_over_stages_like_tensor_split(num_layers: int, num_stages: int) -> None:
+    expected = torch.tensor_split(torch.arange(num_layers), num_stages)
+    for stage, layers in enumerate(expected):
+        for layer in layers.tolist():
+            param = ParamInfo(f"model.layers.{layer}.mlp.up_proj.weight", (1,), layer, num_layers)
+            assert pp_stage(param, num_stages) == stage
+
+
+def test_embeddings_on_first_stage_head_and_final_norm_on_last() -> None:
+    mesh = Mesh.contiguous([(PP, 3), (TP, 2)])
+    embed = ParamInfo("model.embed_tokens.weight", (8, 4), None, 6)
+    head = ParamInfo("lm_head.weight", (8, 4), None, 6)
+    norm = ParamInfo("model.norm.weight", (4,), None, 6)
+    assert pp_stage(embed, 3) == 0 and pp_stage(head, 3) == 2 and pp_stage(norm, 3) == 2
+    # Ranks of other stages hold nothing of the parameter.
+    assert shard_region(embed, mesh, 0) == (slice(0, 4), slice(0, 4))
+    assert shard_region(embed, mesh, 2) is None
+    assert shard_region(head, mesh, 5) == (slice(4, 8), slice(0, 4))
+
+
+def test_a_layer_param_without_num_layers_cannot_be_staged() -> None:
+    with pytest.raises(GraphRLError, match="num_layers"):
+        pp_stage(ParamInfo("model.layers.0.mlp.up_proj.weight", (4,), 0), 2)
+
+
+# --- Llama ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, tp",
+    [
+        ("model.layers.0.self_attn.q_proj.weight", Shard(0)),
+        ("model.layers.0.self_attn.k_proj.weight", Shard(0)),
+        ("model.layers.0.self_attn.v_proj.weight", Shard(0)),
+        ("model.layers.0.mlp.gate_proj.weight", Shard(0)),
+        ("model.layers.0.mlp.up_proj.weight", Shard(0)),
+        ("model.layers.0.self_attn.o_proj.weight", Shard(1)),
+        ("model.layers.0.mlp.down_proj.weight", Shard(1)),
+        ("model.embed_tokens.weight", Shard(0)),
+        ("lm_head.weight", Shard(0)),
+        ("model.layers.0.input_layernorm.weight", Replicate()),
+        ("model.layers.0.post_attention_layernorm.weight", Replicate()),
+        ("model.norm.weight", Replicate()),
+    ],
+)
+def test_llama_layout_is_megatron_tp_plus_fsdp2(name: str, tp) -> None:
+    layout = llama_param_layout(ParamInfo(name, (8, 8), 0, 1))
+    assert layout[TP] == tp
+    assert layout[FSDP] == Shard(0) and layout[DP] == Replicate()
+    assert llama_param_layout(ParamInfo(name, (8, 8), 0, 1), tp_sharded=False)[TP] == Replicate()
+
+
+def test_llama_layout_refuses_unknown_names() -> None:
+    with pytest.raises(PlacementError, match="not a Llama parameter"):
+        llama_param_layout(ParamInfo("model.layers.0.moe.router.weight", (8, 8), 0, 1))
+
+
+def test_llama_params_names_and_shapes() -> None:
+    dims = MODEL_PRESETS["llama3-8b"]
+    params = llama_params(dims)
+    by_name = {p.name: p for p in params}
+    assert len(params) == 1 + 32 * 9 + 2
+    assert by_name["model.embed_tokens.weight"].shape == (128256, 4096)
+    assert by_name["model.layers.3.self_attn.q_proj.weight"].shape == (4096, 4096)
+    assert by_name["model.layers.3.self_attn.k_proj.weight"].shape == (1024, 4096)
+    assert by_name["model.layers.3.self_attn.o_proj.weight"].shape == (4096, 4096)
+    assert by_name["model.layers.3.mlp.down_proj.weight"].shape == (4096, 14336)
+    assert by_name["model.layers.3.mlp.down_proj.weight"].layer == 3
+    assert by_name["lm_head.weight"].layer is None
+    # 8.03 B parameters, the published count.
+    assert round(sum(p.num_elements for p in params) / 1e9, 2) == 8.03
+    tied = llama_params(ModelDims(**{**dims.model_dump(), "tie_embeddings": True}))
+    assert "lm_head.weight" not in {p.name for p in tied}
