@@ -276,3 +276,83 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
     plan = _load_plan_or_compile(target, cluster, steps=steps)
     report = simulate_report(plan, trace_path=trace, gantt=gantt and fmt == "text")
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
+
+
+def _override(loaded: LoadedJob, *, steps: int | None = None, seed: int | None = None, schedule: str | None = None,
+              strategy: str | None = None) -> LoadedJob:
+    """Command-line overrides: the same job file runs with another schedule or layout family."""
+    spec = loaded.spec
+    updates: dict[str, Any] = {}
+    if steps is not None or schedule is not None:
+        sched = spec.schedule.model_copy(update={k: v for k, v in (("steps", steps), ("mode", schedule)) if v is not None})
+        updates["schedule"] = sched
+    if seed is not None:
+        updates["run"] = spec.run.model_copy(update={"seed": seed})
+    if strategy is not None:
+        roles = spec.placement.roles if strategy != "colocated" else {
+            k: v.model_copy(update={"devices": None}) for k, v in spec.placement.roles.items()}
+        updates["placement"] = spec.placement.model_copy(update={"strategy": strategy, "roles": roles})
+    if not updates:
+        return loaded
+    new = JobSpec.model_validate({**spec.model_dump(), **{k: v.model_dump() for k, v in updates.items()}})
+    return LoadedJob(new, loaded.source, loaded.path)
+
+
+@main.command()
+@click.argument("job", type=click.Path(path_type=str))
+@click.option("--cluster", "-c", help="Cluster preset or file; overrides the job's.")
+@click.option("--steps", type=int, help="Number of RL steps (overrides schedule.steps).")
+@click.option("--seed", type=int, help="Seed (overrides run.seed).")
+@click.option("--schedule", type=click.Choice(["sync", "async"]), help="Override schedule.mode.")
+@click.option("--strategy", type=click.Choice(["auto", "colocated", "disaggregated"]), help="Override placement.strategy.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default runs/<job>).")
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run folder.")
+@click.option("--profile", type=click.Path(file_okay=False, path_type=Path), help="Write torch.profiler traces here.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def run(job: str, cluster: str | None, steps: int | None, seed: int | None, schedule: str | None,
+        strategy: str | None, out: Path | None, resume: bool, profile: Path | None, quiet: bool) -> None:
+    """Compile JOB and run it: one process per rank on this machine."""
+    from graphrl.compiler.compile import compile_job
+    from graphrl.executors.launcher import launch_local
+    from graphrl.executors.outputs import latest_checkpoint
+    from graphrl.loader import job_cluster
+
+    loaded = _override(load_any(job), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
+    plan = compile_job(loaded, job_cluster(loaded, cluster))
+    out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
+    start_step, resume_from = 0, None
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise GraphRLError(f"no checkpoint to resume from in {out_dir}", fix="run without --resume first")
+        if plan.chosen.estimate.mode == "async":
+            raise GraphRLError("--resume of asynchronous runs is not supported yet", fix="resume with --schedule sync")
+        meta = json.loads((ckpt / "meta.json").read_text())
+        start_step, resume_from = int(meta["next_step"]), ckpt
+        click.echo(f"resuming from {ckpt} at step {start_step}", err=True)
+    elif (out_dir / "metrics.jsonl").exists():
+        (out_dir / "metrics.jsonl").unlink()
+    if profile is not None:
+        raise GraphRLError("--profile is not available in this version", fix="run without --profile")
+    total = plan.programs.steps if plan.programs else 0
+    click.echo(f"running {loaded.spec.name}: {plan.chosen.label} [{plan.chosen.estimate.mode}] on "
+               f"{plan.cluster.num_devices} ranks, {total} steps -> {out_dir}", err=True)
+    last: dict[str, Any] = {}
+    if quiet:
+        outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from,
+                               on_metrics=lambda row: last.update(row))
+    else:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                      TextColumn("reward {task.fields[reward]:.3f}  {task.fields[step_s]:.2f} s/step"),
+                      TimeElapsedColumn(), transient=False) as bar:
+            task = bar.add_task("run", total=total, completed=start_step, reward=0.0, step_s=0.0)
+
+            def update(row: dict[str, Any]) -> None:
+                last.update(row)
+                bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"], step_s=row["step_time_s"])
+
+            outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update)
+    summary = ", ".join(f"{k} {last[k]:.4g}" for k in ("reward_mean", "loss") if k in last)
+    click.echo(f"done: {outcome.steps_done} steps in {outcome.wall_s:.1f} s ({summary}); metrics in {out_dir / 'metrics.jsonl'}")

@@ -1,0 +1,465 @@
+"""The rank executor: one process interprets its rank's program, instruction by instruction.
+
+It builds only the roles placed on its rank, then walks its instruction stream through one dispatch
+table keyed by instruction type. Each handler checks its preconditions (the weight version it is about
+to use, the batch it expects) and fails with a `RunError` naming the rank, the instruction index and
+the reason, never with a silent stale read.
+
+Data of a step lives in `self.values[(step, node, port)]` for this rank's range of responses; rollouts
+arrive in pieces (from one or several generator replicas) and are joined when a consumer reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from graphrl.errors import RunError
+from graphrl.ir import build_graph
+from graphrl.schemas.plan import Plan, RolePlacement
+from graphrl.schemas.program import (
+    Advantage,
+    Checkpoint,
+    Generate,
+    Instruction,
+    Logprob,
+    Offload,
+    Onload,
+    Recv,
+    ReleaseWeights,
+    ReshardInPlace,
+    Reward,
+    Send,
+    TrainStep,
+    Value,
+    WeightSync,
+    describe,
+)
+from graphrl.tasks import EOS, PAD, REWARDS, TASKS, resolve_callable
+
+from graphrl.executors import algorithms as alg
+from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
+from graphrl.executors.outputs import MetricsWriter, save_checkpoint
+from graphrl.executors.runtime import Runtime
+from graphrl.executors.weightsync import run_weight_sync
+
+ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "behaviour_logprobs")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RoleState:
+    """One role on this rank: its module, its trainable wrapper and optimizer, its weight version."""
+
+    placement: RolePlacement
+    module: nn.Module
+    wrapped: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    version: int = 0
+    offloaded: set[str] = field(default_factory=set)
+
+
+@dataclass
+class StepStats:
+    reward_sum: float = 0.0
+    reward_count: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RankExecutor:
+    """Interprets `plan.programs.streams[rank]` on one process of a torch.distributed job."""
+
+    def __init__(self, plan: Plan, runtime: Runtime, out_dir: Path, *, start_step: int = 0,
+                 resume_state: dict[str, Any] | None = None) -> None:
+        if plan.programs is None:
+            raise RunError("the plan has no programs", fix="compile it with `graphrl compile JOB -o plan.msgpack`")
+        self.plan = plan
+        self.job = plan.job
+        self.rt = runtime
+        self.rank = runtime.rank
+        self.out_dir = out_dir
+        self.programs = plan.programs
+        self.stream = self.programs.streams[self.rank]
+        self.graph = build_graph(plan.job)
+        self.nodes = {n.name: n for n in self.graph.nodes()}
+        self.inputs = {n.name: {e.dst_port: (e.src, e.src_port) for e in self.graph.in_edges(n.name)}
+                       for n in self.graph.nodes()}
+        gen_node = next(n for n in self.graph.nodes() if n.op == "generate")
+        data_node = next(n for n in self.graph.nodes() if n.op == "dataset")
+        self.gen_node, self.data_node = gen_node, data_node
+        self.group_size = gen_node.spec.samples_per_prompt
+        self.task = resolve_callable(data_node.spec.task, TASKS, "task")(**data_node.spec.options)
+        self.seed = plan.job.run.seed
+        self.start_step = start_step
+        self.values: dict[tuple[int, str, str], Any] = {}
+        self.pieces: dict[int, list[tuple[int, int, dict[str, Tensor]]]] = {}
+        self.stats: dict[int, StepStats] = {}
+        self.step_started: dict[int, float] = {}
+        self.last_train_end = time.perf_counter()
+        self.roles: dict[str, RoleState] = {}
+        self._build_roles(resume_state)
+        self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
+        self.dispatch: dict[type, Callable[[Any], None]] = {
+            Generate: self.generate, Logprob: self.logprob, Value: self.value, Reward: self.reward,
+            Advantage: self.advantage, TrainStep: self.train_step, Send: self.send, Recv: self.recv,
+            Offload: self.offload, Onload: self.onload, WeightSync: self.weight_sync,
+            ReshardInPlace: self.reshard_in_place, ReleaseWeights: self.release_weights,
+            Checkpoint: self.checkpoint,
+        }
+        self.index = 0
+
+    # -- set-up ------------------------------------------------------------------------------------
+    @property
+    def trainer_ranks(self) -> tuple[int, ...]:
+        return self.programs.groups["trainer"]
+
+    @property
+    def is_reporter(self) -> bool:
+        return self.rank == self.trainer_ranks[0]
+
+    def _mesh_has_me(self, p: RolePlacement) -> bool:
+        mesh = next(m for m in self.plan.chosen.meshes if m.name == p.mesh)
+        return self.rank in mesh.devices
+
+    def _build_roles(self, resume_state: dict[str, Any] | None) -> None:
+        colocated = self.plan.chosen.strategy == "colocated"
+        for p in self.plan.chosen.placements:
+            if not self._mesh_has_me(p):
+                continue
+            if p.tp > 1 or p.pp > 1:
+                raise RunError(f"role {p.role}: tensor/pipeline parallel execution (tp={p.tp}, pp={p.pp}) is not "
+                               "supported by this executor yet", fix="pin tp: 1 and pp: 1 for this role")
+            spec = self.job.models[p.model]
+            dims = spec.resolved_dims()
+            dtype = _DTYPES[spec.dtype]
+            if p.kind == "generate" and colocated and p.model in self.roles:
+                # Colocated: generation reads the trainer's own (replicated) weights; nothing to copy.
+                self.roles[p.role] = RoleState(p, self.roles[p.model].module)
+                continue
+            torch.manual_seed(self.seed * 7919 + sum(map(ord, spec.init_from or p.model)))
+            is_critic = any(n.op == "value" and n.spec.model == p.model for n in self.graph.nodes()) or \
+                any(n.op == "reward" and n.spec.model == p.model for n in self.graph.nodes())
+            module = (LlamaCritic(dims) if is_critic else Llama(dims)).to(device=self.rt.device, dtype=dtype)
+            if spec.checkpoint is not None:
+                from graphrl.executors.models.llama import load_hf_checkpoint
+
+                _, state = load_hf_checkpoint(spec.checkpoint)
+                module.load_state_dict(state, strict=not is_critic)
+            state = RoleState(p, module)
+            if p.kind == "train":
+                lr = next((n.spec.lr for n in self.graph.nodes() if n.op == "train" and n.spec.model == p.model and n.spec.lr), None)
+                alg_spec = self.job.algorithm
+                state.wrapped = module
+                state.optimizer = torch.optim.AdamW(module.parameters(), lr=lr or alg_spec.lr, betas=alg_spec.betas,
+                                                    weight_decay=alg_spec.weight_decay)
+            else:
+                module.requires_grad_(False)
+            self.roles[p.role] = state
+        if resume_state is not None:
+            for role, saved in resume_state["roles"].items():
+                if role in self.roles and self.roles[role].placement.kind != "generate":
+                    self.roles[role].module.load_state_dict(saved["weights"])
+                    if self.roles[role].optimizer is not None and saved.get("optimizer") is not None:
+                        self.roles[role].optimizer.load_state_dict(saved["optimizer"])
+                    self.roles[role].version = int(saved["version"])
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        for self.index, ins in enumerate(self.stream):
+            if getattr(ins, "step", self.start_step) < self.start_step:
+                continue
+            if isinstance(ins, (WeightSync, ReshardInPlace)) and ins.version < self.start_step and \
+                    self._resumed_version_skip(ins):
+                continue
+            with self.rt.profile_span(ins):
+                self.dispatch[type(ins)](ins)
+        self.metrics.close()
+
+    def _resumed_version_skip(self, ins: WeightSync | ReshardInPlace) -> bool:
+        """On resume, syncs of versions older than the checkpoint happened before it (the sync runs)."""
+        return False
+
+    def fail(self, ins: Instruction, reason: str) -> RunError:
+        return RunError(f"rank {self.rank} instruction {self.index} ({describe(ins)}): {reason}")
+
+    # -- data --------------------------------------------------------------------------------------
+    def rollouts(self, step: int, lo: int, hi: int, ins: Instruction) -> dict[str, Tensor]:
+        pieces = sorted(self.pieces.get(step, []), key=lambda p: p[0])
+        parts, cursor = [], lo
+        for a, b, data in pieces:
+            if b <= cursor or a >= hi:
+                continue
+            if a > cursor:
+                break
+            take = slice(cursor - a, min(b, hi) - a)
+            parts.append({k: v[take] for k, v in data.items() if k != "version"} | {"version": data["version"]})
+            cursor = min(b, hi)
+        if cursor < hi:
+            raise self.fail(ins, f"expected rollouts of step {step} for responses [{lo}:{hi}) but holds only up to "
+                                 f"{cursor} (a receive is missing)")
+        versions = {int(p["version"].item()) for p in parts}
+        out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
+        out["version"] = torch.tensor([max(versions)])
+        return out
+
+    def read(self, ins: Instruction, port: str) -> Any:
+        node = getattr(ins, "node")
+        src = self.inputs[node].get(port)
+        if src is None:
+            return None
+        if self.nodes[src[0]].op == "generate":
+            return self.rollouts(ins.step, ins.start, ins.stop, ins)  # type: ignore[attr-defined]
+        key = (ins.step, src[0], src[1])  # type: ignore[attr-defined]
+        if key not in self.values:
+            raise self.fail(ins, f"input {port} ({src[0]}.{src[1]}) of step {ins.step} was never computed here")  # type: ignore[attr-defined]
+        return self.values[key]
+
+    # -- handlers ----------------------------------------------------------------------------------
+    def generate(self, ins: Generate) -> None:
+        role = self.roles[ins.role]
+        if role.version != ins.version:
+            raise self.fail(ins, f"the plan fixes weight version {ins.version} but this rank holds {role.version}")
+        self.step_started.setdefault(ins.step, time.perf_counter())
+        g = self.group_size
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ins.step)
+        prompt_ids, prompt_mask = self.task.sample(gen, self.data_node.spec.batch_size, self.data_node.spec.prompt_len)
+        p_lo, p_hi = ins.start // g, ins.stop // g
+        prompt_ids = prompt_ids[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
+        prompt_mask = prompt_mask[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
+        sampler = torch.Generator(device=self.rt.device).manual_seed(self.seed * 7_368_787 + ins.step * 65_537 + ins.start)
+        spec = self.gen_node.spec
+        module = role.module
+        was_training = module.training
+        module.eval()
+        with torch.no_grad():
+            out = generate(module, prompt_ids, prompt_mask, spec.max_new_tokens, temperature=spec.temperature,
+                           top_p=spec.top_p, generator=sampler, eos_id=EOS, pad_id=PAD)
+        module.train(was_training)
+        response_ids = out.response_ids
+        if response_ids.shape[1] < spec.max_new_tokens:  # every sequence stopped early: pad to R
+            pad = spec.max_new_tokens - response_ids.shape[1]
+            response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=PAD)
+            out_mask = torch.nn.functional.pad(out.response_mask, (0, pad), value=False)
+            out_lp = torch.nn.functional.pad(out.logprobs, (0, pad), value=0.0)
+        else:
+            out_mask, out_lp = out.response_mask, out.logprobs
+        piece = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                 "response_mask": out_mask, "behaviour_logprobs": out_lp.float(), "version": torch.tensor([ins.version])}
+        self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
+
+    def _forward_role(self, ins: Logprob | Value | Reward) -> RoleState:
+        role = self.roles.get(ins.role)
+        if role is None:
+            raise self.fail(ins, f"role {ins.role} is not placed on this rank")
+        return role
+
+    def logprob(self, ins: Logprob) -> None:
+        role = self._forward_role(ins)
+        r = self.read(ins, "rollouts")
+        with torch.no_grad():
+            lp, _ = token_logprobs_and_entropy(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
+                                               r["response_mask"])
+        self.values[(ins.step, ins.node, "logprobs")] = lp.float()
+
+    def value(self, ins: Value) -> None:
+        role = self._forward_role(ins)
+        r = self.read(ins, "rollouts")
+        with torch.no_grad():
+            values = token_values(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+        self.values[(ins.step, ins.node, "values")] = values.float() * r["response_mask"]
+
+    def reward(self, ins: Reward) -> None:
+        r = self.read(ins, "rollouts")
+        spec = self.nodes[ins.node].spec
+        if spec.fn is not None:
+            fn = resolve_callable(spec.fn, REWARDS, "reward function")
+            rewards = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"]).float()
+        else:
+            role = self._forward_role(ins)
+            with torch.no_grad():
+                values = token_values(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            last = (r["response_mask"].long().sum(1) - 1).clamp(min=0)
+            rewards = values.gather(1, last[:, None]).squeeze(1).float()
+        if rewards.shape != (ins.stop - ins.start,):
+            raise self.fail(ins, f"reward function returned shape {tuple(rewards.shape)}, expected ({ins.stop - ins.start},)")
+        self.values[(ins.step, ins.node, "rewards")] = rewards
+        stats = self.stats.setdefault(ins.step, StepStats())
+        stats.reward_sum += float(rewards.sum())
+        stats.reward_count += rewards.numel()
+
+    def advantage(self, ins: Advantage) -> None:
+        spec = self.nodes[ins.node].spec
+        rewards = self.read(ins, "rewards")
+        r = self.read(ins, "rollouts")
+        mask = r["response_mask"]
+        if spec.estimator == "grpo":
+            adv = alg.broadcast_to_tokens(alg.grpo_advantages(rewards, self.group_size, spec.normalize), mask)
+            returns = adv
+        elif spec.estimator == "rloo":
+            adv = alg.broadcast_to_tokens(alg.rloo_advantages(rewards, self.group_size), mask)
+            returns = adv
+        elif spec.estimator == "reinforce_pp":
+            adv = alg.reinforce_pp_advantages(rewards, mask, gamma=spec.gamma, normalize=spec.normalize)
+            returns = adv
+        else:
+            values = self.read(ins, "values")
+            adv, returns = alg.gae(rewards, values, mask, spec.gamma, spec.lam)
+        self.values[(ins.step, ins.node, "advantages")] = {"advantages": adv.float(), "returns": returns.float()}
+
+    def train_step(self, ins: TrainStep) -> None:
+        role = self.roles[ins.role]
+        if role.version != ins.version - 1:
+            raise self.fail(ins, f"expected to update version {ins.version - 1} but holds {role.version}")
+        if role.offloaded:
+            raise self.fail(ins, f"{ins.role}'s {', '.join(sorted(role.offloaded))} are offloaded; an Onload is missing")
+        spec = self.nodes[ins.node].spec
+        a = self.job.algorithm
+        r = self.read(ins, "rollouts")
+        adv = self.read(ins, "advantages")
+        mask = r["response_mask"]
+        assert role.wrapped is not None and role.optimizer is not None
+        module = role.wrapped
+        metrics: dict[str, float] = {}
+        for _ in range(a.updates_per_step):
+            role.optimizer.zero_grad(set_to_none=True)
+            if spec.loss == "critic":
+                values = token_values(module, r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
+                old = self.read(ins, "values")
+                loss, metrics = alg.critic_loss(values, old, adv["returns"], mask, a.value_clip)
+            else:
+                logprobs, entropy = token_logprobs_and_entropy(module, r["prompt_ids"], r["prompt_mask"],
+                                                               r["response_ids"], mask)
+                old = self.read(ins, "old_logprobs")
+                behaviour = r["behaviour_logprobs"]
+                if spec.loss == "aipo":
+                    loss, metrics = alg.aipo_loss(logprobs, behaviour, adv["advantages"], mask, a.aipo_rho)
+                else:
+                    loss, metrics = alg.policy_loss(logprobs, old if old is not None else behaviour,
+                                                    adv["advantages"], mask, a.clip_eps)
+                ref = self.read(ins, "ref_logprobs")
+                if ref is not None and a.kl_coef > 0:
+                    kl, kl_metrics = alg.kl_penalty(logprobs, ref, mask, a.kl_estimator)
+                    loss = loss + a.kl_coef * kl
+                    metrics["kl"] = float(kl.detach())
+                if a.entropy_coef > 0:
+                    ent, _ = alg.entropy_bonus(entropy, mask)
+                    loss = loss + a.entropy_coef * ent
+                metrics["entropy"] = float(alg.masked_mean(entropy.detach(), mask))
+            loss.backward()
+            self.rt.average_gradients(role.module, "trainer")
+            grad_norm = torch.nn.utils.clip_grad_norm_(role.module.parameters(), a.max_grad_norm)
+            role.optimizer.step()
+            metrics["loss"] = float(loss.detach())
+            metrics["grad_norm"] = float(grad_norm)
+        role.version = ins.version
+        if ins.role == self.plan.chosen.placements[0].role:
+            self._report(ins, r, metrics)
+
+    def _report(self, ins: TrainStep, r: dict[str, Tensor], metrics: dict[str, float]) -> None:
+        """All-reduce the step's figures over the trainer group and let its first rank write them."""
+        stats = self.stats.pop(ins.step, StepStats())
+        names = sorted(metrics)
+        local = torch.tensor([stats.reward_sum, stats.reward_count, float(r["response_mask"].sum())]
+                             + [metrics[k] for k in names], dtype=torch.float64)
+        group = self.rt.group("trainer")
+        if group is not None:
+            dist.all_reduce(local, group=group)
+        n_ranks = len(self.trainer_ranks)
+        now = time.perf_counter()
+        step_time = now - self.last_train_end
+        self.last_train_end = now
+        if self.is_reporter:
+            row = {
+                "step": ins.step,
+                "reward_mean": float(local[0] / max(local[1], 1)),
+                **{k: float(local[3 + i] / n_ranks) for i, k in enumerate(names)},
+                "step_time_s": step_time,
+                "tokens_per_s": float(local[2]) / step_time if step_time > 0 else 0.0,
+                "weight_version": int(r["version"].item()),
+            }
+            row.setdefault("kl", 0.0)
+            self.metrics.write(row)
+        for key in [k for k in self.values if k[0] <= ins.step]:
+            del self.values[key]
+        self.pieces.pop(ins.step, None)
+
+    def send(self, ins: Send) -> None:
+        piece = self._piece_for(ins)
+        for name in ROLLOUT_FIELDS + ("version",):
+            tensor = piece[name]
+            self.rt.send(tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor, ins.peer)
+
+    def recv(self, ins: Recv) -> None:
+        n = ins.stop - ins.start
+        p_len = self.data_node.spec.prompt_len
+        r_len = self.gen_node.spec.max_new_tokens
+        shapes = {"prompt_ids": ((n, p_len), torch.int64), "prompt_mask": ((n, p_len), torch.uint8),
+                  "response_ids": ((n, r_len), torch.int64), "response_mask": ((n, r_len), torch.uint8),
+                  "behaviour_logprobs": ((n, r_len), torch.float32), "version": ((1,), torch.int64)}
+        piece = {}
+        for name in ROLLOUT_FIELDS + ("version",):
+            shape, dtype = shapes[name]
+            buf = torch.empty(shape, dtype=dtype, device=self.rt.comm_device)
+            self.rt.recv(buf, ins.peer)
+            piece[name] = buf.to(self.rt.device).bool() if dtype == torch.uint8 else buf.to(self.rt.device)
+        self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
+
+    def _piece_for(self, ins: Send) -> dict[str, Tensor]:
+        for a, b, data in self.pieces.get(ins.step, []):
+            if a <= ins.start and ins.stop <= b:
+                take = slice(ins.start - a, ins.stop - a)
+                return {k: (v if k == "version" else v[take]).contiguous() for k, v in data.items()}
+        raise self.fail(ins, f"has no rollouts [{ins.start}:{ins.stop}) of step {ins.step} to send")
+
+    def offload(self, ins: Offload) -> None:
+        self.rt.move_state(self.roles[ins.role], ins.state, to_host=True)
+        self.roles[ins.role].offloaded |= set(ins.state)
+
+    def onload(self, ins: Onload) -> None:
+        self.rt.move_state(self.roles[ins.role], ins.state, to_host=False)
+        self.roles[ins.role].offloaded -= set(ins.state)
+
+    def weight_sync(self, ins: WeightSync) -> None:
+        data = self.programs.weight_syncs[ins.transfer]
+        src_role = self.roles.get(ins.model)
+        dst_role = self.roles.get(f"{ins.model}/generate")
+        if src_role is not None and src_role.placement.kind == "train" and src_role.version != ins.version:
+            raise self.fail(ins, f"trainer holds version {src_role.version}, the plan syncs {ins.version}")
+        run_weight_sync(data, self.rank, src_role.module if src_role and src_role.placement.kind == "train" else None,
+                        dst_role.module if dst_role else None, self.rt)
+        if dst_role is not None:
+            dst_role.version = ins.version
+
+    def reshard_in_place(self, ins: ReshardInPlace) -> None:
+        src, dst = self.roles[ins.src_role], self.roles[ins.dst_role]
+        if src.version != ins.version:
+            raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
+        if dst.module is not src.module:
+            dst.module.load_state_dict(src.module.state_dict())
+        dst.version = ins.version
+
+    def release_weights(self, ins: ReleaseWeights) -> None:
+        """The colocated generator shares the trainer's module: nothing to free on this executor."""
+
+    def checkpoint(self, ins: Checkpoint) -> None:
+        roles = {name: r for name, r in self.roles.items() if r.placement.kind != "generate"}
+        if self.is_reporter:
+            save_checkpoint(self.out_dir, ins.step, roles, self.seed)
+        group = self.rt.group(ins.group)
+        if group is not None:
+            dist.barrier(group=group)
+
+
+def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,
+             resume_state: dict[str, Any] | None = None) -> None:
+    RankExecutor(plan, runtime, out_dir, start_step=start_step, resume_state=resume_state).run()
+
+
+__all__ = ["RankExecutor", "run_rank", "math"]

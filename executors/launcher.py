@@ -1,0 +1,170 @@
+"""Starting ranks: locally with torch.multiprocessing, or under torchrun / SLURM from written scripts.
+
+Local runs spawn one process per rank (gloo on CPU, NCCL on CUDA, a free loopback port, one thread per
+rank by default). The parent watches every child: when one raises or is killed, all others are ended
+within seconds and the run fails with the rank and its error; nothing is left running. The parent also
+follows `metrics.jsonl` to drive a progress bar with the reward and the step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from graphrl.errors import RunError
+from graphrl.plan_io import load_plan, save_plan
+from graphrl.schemas.plan import Plan
+
+KILL_GRACE_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_step: int, threads: int,
+              resume_from: str | None, local_rank: int | None = None) -> None:
+    """Entry point of one rank (a spawned process or a torchrun worker). Writes its error on failure."""
+    from graphrl.executors.executor import run_rank
+    from graphrl.executors.outputs import load_checkpoint
+    from graphrl.executors.runtime import Runtime
+
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(threads)
+        plan = load_plan(plan_path)
+        assert plan.programs is not None
+        runtime = Runtime.init(rank, world_size, plan.job.run.device, plan.programs.groups, local_rank)
+        resume_state = load_checkpoint(Path(resume_from)) if resume_from else None
+        run_rank(plan, runtime, out, start_step=start_step, resume_state=resume_state)
+        if world_size > 1:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+    except BaseException as exc:
+        errors = out / "errors"
+        errors.mkdir(parents=True, exist_ok=True)
+        (errors / f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+@dataclass
+class RunOutcome:
+    out_dir: Path
+    steps_done: int
+    wall_s: float
+
+
+def _read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    if not path.exists():
+        return [], offset
+    with open(path) as f:
+        f.seek(offset)
+        chunk = f.read()
+    complete = chunk[: chunk.rfind("\n") + 1] if "\n" in chunk else ""
+    rows = [json.loads(line) for line in complete.splitlines() if line.strip()]
+    return rows, offset + len(complete)
+
+
+def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from: Path | None = None,
+                 on_metrics: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None) -> RunOutcome:
+    """Run every rank of `plan` as a local process; raise RunError naming the first rank that failed."""
+    assert plan.programs is not None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = out_dir / "plan.msgpack"
+    save_plan(plan, plan_path)
+    errors = out_dir / "errors"
+    if errors.exists():
+        for f in errors.glob("rank*.txt"):
+            f.unlink()
+    world = plan.programs.num_ranks
+    threads = plan.job.run.threads_per_rank
+    env_port = free_port()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(env_port)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, world, str(plan_path), str(out_dir), start_step, threads,
+                                                   str(resume_from) if resume_from else None), daemon=False)
+             for r in range(world)]
+    started = time.perf_counter()
+    for p in procs:
+        p.start()
+    offset = 0
+    metrics_path = out_dir / "metrics.jsonl"
+    if metrics_path.exists():
+        offset = metrics_path.stat().st_size
+    steps_done = 0
+    failure: tuple[int, str] | None = None
+    try:
+        while True:
+            rows, offset = _read_metrics(metrics_path, offset)
+            for row in rows:
+                steps_done += 1
+                if on_metrics:
+                    on_metrics(row)
+            alive = [p for p in procs if p.exitcode is None]
+            failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                failure = _describe_failure(failed, errors)
+                break
+            if not alive:
+                break
+            if timeout_s is not None and time.perf_counter() - started > timeout_s:
+                failure = (-1, f"the run exceeded its time limit of {timeout_s:.0f} s")
+                break
+            time.sleep(0.1)
+    finally:
+        _end_all(procs)
+    rows, offset = _read_metrics(metrics_path, offset)
+    for row in rows:
+        steps_done += 1
+        if on_metrics:
+            on_metrics(row)
+    if failure is not None:
+        rank, message = failure
+        where = f"rank {rank}" if rank >= 0 else "the run"
+        raise RunError(f"{where} failed: {message}", fix=f"see {errors} for every rank's traceback" if rank >= 0 else None)
+    return RunOutcome(out_dir, steps_done, time.perf_counter() - started)
+
+
+def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int, str]:
+    # Prefer the rank that wrote an error (the root cause) over ranks that died of its consequences.
+    time.sleep(0.2)
+    for rank, proc in failed:
+        path = errors / f"rank{rank}.txt"
+        if path.exists():
+            return rank, path.read_text().splitlines()[0]
+    rank, proc = failed[0]
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return rank, f"killed by signal {name}"
+    return rank, f"exited with code {code}"
+
+
+def _end_all(procs: list[Any]) -> None:
+    """Terminate every rank still running, then kill what does not stop within the grace period."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.perf_counter() + KILL_GRACE_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.perf_counter()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=5)

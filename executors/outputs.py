@@ -1,0 +1,103 @@
+"""Run outputs: metrics (JSON lines and TensorBoard scalars) and atomic checkpoints.
+
+A checkpoint is a folder `checkpoints/step_<k>/` with the trained roles' weights (safetensors), their
+optimizer state, their weight versions, the RNG seed and the data position (the next step). It is
+written into a temporary folder and renamed into place, so a crash never leaves a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class MetricsWriter:
+    """`metrics.jsonl` (one line per step, flushed) and TensorBoard scalars, on the reporting rank."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool, tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(out_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except Exception:  # tensorboard is optional at run time; metrics.jsonl is the record
+                self._tb = None
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled or self._file is None:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def save_checkpoint(out_dir: Path, step: int, roles: dict[str, Any], seed: int) -> Path:
+    root = out_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.", dir=root))
+    try:
+        meta: dict[str, Any] = {"step": step, "next_step": step + 1, "seed": seed, "roles": {}}
+        for name, role in roles.items():
+            safe = name.replace("/", "__")
+            weights = {k: v.detach().cpu().contiguous() for k, v in role.module.state_dict().items()}
+            save_file(weights, str(tmp / f"{safe}.safetensors"))
+            if role.optimizer is not None:
+                torch.save(role.optimizer.state_dict(), tmp / f"{safe}.optimizer.pt")
+            meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors",
+                                   "optimizer": f"{safe}.optimizer.pt" if role.optimizer is not None else None}
+        meta["rng"] = {"torch": torch.get_rng_state().tolist()}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (root / "latest").write_text(final.name)
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    root = out_dir / "checkpoints"
+    marker = root / "latest"
+    if marker.exists():
+        path = root / marker.read_text().strip()
+        if (path / "meta.json").exists():
+            return path
+    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists()) if root.exists() else []
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    meta = json.loads((path / "meta.json").read_text())
+    roles = {}
+    for name, info in meta["roles"].items():
+        roles[name] = {
+            "version": info["version"],
+            "weights": load_file(str(path / info["file"])),
+            "optimizer": torch.load(path / info["optimizer"], weights_only=True) if info["optimizer"] else None,
+        }
+    return {"step": meta["step"], "next_step": meta["next_step"], "roles": roles}

@@ -1,0 +1,145 @@
+"""What a rank needs from torch.distributed: device and backend choice, process groups, point-to-point,
+gradient averaging, state movement to host, and instruction-level profiling spans.
+
+Device-agnostic: CUDA + NCCL when the rank has a GPU, CPU + gloo otherwise. Point-to-point on NCCL
+needs device tensors and on gloo CPU tensors; `comm_device` is where buffers must live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from graphrl.schemas.program import Instruction, label
+
+# A peer that dies must not leave the others blocked for gloo's default 30 minutes.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("GRAPHRL_COLLECTIVE_TIMEOUT_S", "60"))
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("run.device is 'cuda' but no CUDA device is available")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+class Runtime:
+    """One rank's view of the job's process groups and devices."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, groups: dict[str, tuple[int, ...]],
+                 profiler: Any = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.comm_device = device if self.backend == "nccl" else torch.device("cpu")
+        self._groups: dict[str, Any] = {}
+        self.profiler = profiler
+        if world_size > 1:
+            # Every rank must create every group, in the same order.
+            for name in sorted(groups):
+                members = list(groups[name])
+                if len(members) > 1:
+                    group = dist.new_group(members, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                    if rank in members:
+                        self._groups[name] = group
+
+    @classmethod
+    def init(cls, rank: int, world_size: int, device_pref: str, groups: dict[str, tuple[int, ...]],
+             local_rank: int | None = None) -> "Runtime":
+        device = pick_device(device_pref, rank if local_rank is None else local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return cls(rank, world_size, device, groups)
+
+    def group(self, name: str) -> Any:
+        """The process group `name` if this rank is in it and it has more than one member, else None."""
+        return self._groups.get(name)
+
+    # -- point to point ----------------------------------------------------------------------------
+    def send(self, tensor: Tensor, peer: int) -> None:
+        dist.send(tensor.to(self.comm_device).contiguous(), peer)
+
+    def recv(self, buffer: Tensor, peer: int) -> None:
+        dist.recv(buffer, peer)
+
+    # -- training ----------------------------------------------------------------------------------
+    def average_gradients(self, module: nn.Module, group_name: str) -> None:
+        """Data-parallel gradient averaging: one flat all-reduce of every gradient over the group."""
+        group = self.group(group_name)
+        if group is None:
+            return
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.comm_device)
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+
+    def move_state(self, role: Any, state: tuple[str, ...], *, to_host: bool) -> None:
+        """Offload (to_host) or onload a role's weights, gradients or optimizer state.
+
+        On CUDA this moves tensors to pinned host memory and back; on a CPU rank host and device are the
+        same memory, so only the bookkeeping changes (the ledger still follows the plan)."""
+        if self.device.type != "cuda":
+            return
+        target = torch.device("cpu") if to_host else self.device
+
+        def move(t: Tensor) -> Tensor:
+            if to_host:
+                return t.to("cpu", non_blocking=True).pin_memory() if t.device.type == "cuda" else t
+            return t.to(target, non_blocking=True)
+
+        if "params" in state:
+            for p in role.module.parameters():
+                p.data = move(p.data)
+        if "grads" in state:
+            for p in role.module.parameters():
+                if p.grad is not None:
+                    p.grad = move(p.grad)
+        if "optimizer" in state and role.optimizer is not None:
+            for st in role.optimizer.state.values():
+                for k, v in st.items():
+                    if isinstance(v, Tensor) and v.dim() > 0:
+                        st[k] = move(v)
+        torch.cuda.synchronize(self.device)
+
+    def device_bytes(self, modules: list[nn.Module], optimizers: list[Any]) -> int:
+        """Bytes of parameters, gradients and optimizer state currently on this rank's device."""
+        total = 0
+        for m in modules:
+            for p in m.parameters():
+                if p.device == self.device:
+                    total += p.numel() * p.element_size()
+                if p.grad is not None and p.grad.device == self.device:
+                    total += p.grad.numel() * p.grad.element_size()
+        for opt in optimizers:
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, Tensor) and v.device == self.device:
+                        total += v.numel() * v.element_size()
+        return total
+
+    # -- profiling ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def profile_span(self, ins: Instruction) -> Iterator[None]:
+        if self.profiler is None:
+            yield
+            return
+        with torch.profiler.record_function(label(ins)):
+            yield
