@@ -94,6 +94,7 @@ class RankExecutor:
         gen_node = next(n for n in self.graph.nodes() if n.op == "generate")
         data_node = next(n for n in self.graph.nodes() if n.op == "dataset")
         self.gen_node, self.data_node = gen_node, data_node
+        self.last_train_node = [n for n in self.graph.topo_order() if self.nodes[n].op == "train"][-1]
         self.group_size = gen_node.spec.samples_per_prompt
         self.task = resolve_callable(data_node.spec.task, TASKS, "task")(**data_node.spec.options)
         self.seed = plan.job.run.seed
@@ -175,16 +176,11 @@ class RankExecutor:
         for self.index, ins in enumerate(self.stream):
             if getattr(ins, "step", self.start_step) < self.start_step:
                 continue
-            if isinstance(ins, (WeightSync, ReshardInPlace)) and ins.version < self.start_step and \
-                    self._resumed_version_skip(ins):
-                continue
+            if isinstance(ins, (WeightSync, ReshardInPlace)) and ins.version < self.start_step:
+                continue  # resumed (sync schedules): these versions were produced and used before the checkpoint
             with self.rt.profile_span(ins):
                 self.dispatch[type(ins)](ins)
         self.metrics.close()
-
-    def _resumed_version_skip(self, ins: WeightSync | ReshardInPlace) -> bool:
-        """On resume, syncs of versions older than the checkpoint happened before it (the sync runs)."""
-        return False
 
     def fail(self, ins: Instruction, reason: str) -> RunError:
         return RunError(f"rank {self.rank} instruction {self.index} ({describe(ins)}): {reason}")
@@ -361,6 +357,11 @@ class RankExecutor:
         role.version = ins.version
         if ins.role == self.plan.chosen.placements[0].role:
             self._report(ins, r, metrics)
+        if ins.node == self.last_train_node:  # the step's data is no longer needed
+            for key in [k for k in self.values if k[0] <= ins.step]:
+                del self.values[key]
+            for step in [k for k in self.pieces if k <= ins.step]:
+                del self.pieces[step]
 
     def _report(self, ins: TrainStep, r: dict[str, Tensor], metrics: dict[str, float]) -> None:
         """All-reduce the step's figures over the trainer group and let its first rank write them."""
@@ -386,9 +387,6 @@ class RankExecutor:
             }
             row.setdefault("kl", 0.0)
             self.metrics.write(row)
-        for key in [k for k in self.values if k[0] <= ins.step]:
-            del self.values[key]
-        self.pieces.pop(ins.step, None)
 
     def send(self, ins: Send) -> None:
         piece = self._piece_for(ins)

@@ -148,9 +148,6 @@ def graph(job: str, fmt: str) -> None:
     click.echo({"text": graph_text, "dot": graph_dot, "json": lambda g: dumps(graph_json(g))}[fmt](g))
 
 
-if __name__ == "__main__":
-    main()
-
 
 def _compile(job: str, cluster: str | None, **options):  # noqa: ANN201
     from graphrl.compiler.compile import compile_job
@@ -356,3 +353,27 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
             outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update)
     summary = ", ".join(f"{k} {last[k]:.4g}" for k in ("reward_mean", "loss") if k in last)
     click.echo(f"done: {outcome.steps_done} steps in {outcome.wall_s:.1f} s ({summary}); metrics in {out_dir / 'metrics.jsonl'}")
+
+
+@main.command()
+@click.argument("job", type=click.Path(path_type=str))
+@click.option("--emit", type=click.Choice(["torchrun", "slurm"]), required=True, help="Kind of launch script.")
+@click.option("--cluster", "-c", help="Cluster preset or file; overrides the job's.")
+@click.option("--steps", type=int, help="Number of RL steps.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("launch"),
+              show_default=True, help="Folder for the plan and the script.")
+@click.option("--port", type=int, default=29512, show_default=True, help="Rendezvous port.")
+def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: Path, port: int) -> None:
+    """Compile JOB and write a torchrun or SLURM script that runs `python -m graphrl.executors PLAN`."""
+    from graphrl.compiler.compile import compile_job
+    from graphrl.executors.scripts import write_launch
+    from graphrl.loader import job_cluster
+
+    loaded = _override(load_any(job), steps=steps)
+    plan = compile_job(loaded, job_cluster(loaded, cluster))
+    plan_path, script = write_launch(plan, emit, output, port=port)
+    click.echo(f"wrote {plan_path} and {script}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Reward functions that fail on purpose, for the fault-handling tests (loaded as `faulty_rewards:...`)."""
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+_calls = {"n": 0}
+
+
+def _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    from graphrl.tasks import REWARDS
+
+    return REWARDS["digits_copy"](prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def raise_on_rank1(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    _calls["n"] += 1
+    if dist.is_initialized() and dist.get_rank() == 1 and _calls["n"] == 3:
+        raise RuntimeError("reward server unreachable (injected)")
+    return _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def kill_rank1(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    _calls["n"] += 1
+    if dist.is_initialized() and dist.get_rank() == 1 and _calls["n"] == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def zeros(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    return torch.zeros(prompt_ids.shape[0])

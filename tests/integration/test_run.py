@@ -1,0 +1,151 @@
+"""`graphrl run` end to end: real rank processes on CPU with gloo."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from graphrl.cli import main
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+HERE = Path(__file__).resolve().parent
+REQUIRED = {"step", "reward_mean", "loss", "kl", "step_time_s", "tokens_per_s", "weight_version"}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def job_file(tmp_path: Path, name: str, **replace: str) -> Path:
+    text = (EXAMPLES / name).read_text()
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_sync_colocated_run_writes_metrics_and_checkpoint(tmp_path):
+    out = CliRunner().invoke(main, ["run", str(EXAMPLES / "grpo_tiny.yaml"), "--steps", "4", "--out", str(tmp_path), "-q"])
+    assert out.exit_code == 0, out.output
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(REQUIRED <= set(r) for r in rows)
+    assert [r["weight_version"] for r in rows] == [0, 1, 2, 3]
+    assert (tmp_path / "checkpoints" / "step_000003" / "meta.json").exists()
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert not multiprocessing.active_children()
+
+
+def test_async_disaggregated_run_uses_the_planned_stale_versions(tmp_path):
+    out = CliRunner().invoke(main, ["run", str(EXAMPLES / "aipo_async_tiny.yaml"), "--steps", "5", "--out", str(tmp_path), "-q"])
+    assert out.exit_code == 0, out.output
+    rows = metrics(tmp_path)
+    assert [r["weight_version"] for r in rows] == [0, 0, 1, 2, 3]  # max(0, step - 1)
+    assert all("clipped_frac" in r for r in rows)  # the AIPO loss ran
+
+
+def test_same_job_runs_sync_when_overridden(tmp_path):
+    out = CliRunner().invoke(main, ["run", str(EXAMPLES / "aipo_async_tiny.yaml"), "--steps", "3", "--schedule", "sync",
+                                    "--out", str(tmp_path), "-q"])
+    assert out.exit_code == 0, out.output
+    assert [r["weight_version"] for r in metrics(tmp_path)] == [0, 1, 2]
+
+
+def test_ppo_with_critic_reference_and_reward_model(tmp_path):
+    out = CliRunner().invoke(main, ["run", str(EXAMPLES / "ppo_tiny.yaml"), "--steps", "3", "--out", str(tmp_path), "-q"])
+    assert out.exit_code == 0, out.output
+    rows = metrics(tmp_path)
+    assert len(rows) == 3 and all(r["kl"] != 0.0 for r in rows[1:])
+
+
+def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
+    """A run stopped after step 2 and resumed from its checkpoint must produce exactly the metrics of an
+    uninterrupted run: prompts and samples are seeded per step, and the checkpoint holds the weights
+    and the optimizer state."""
+    job = job_file(tmp_path, "grpo_tiny.yaml", **{"  steps: 150": "  steps: 6\n  checkpoint_every: 3"})
+    runner = CliRunner()
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert runner.invoke(main, ["run", str(job), "--out", str(full), "-q"]).exit_code == 0
+    assert runner.invoke(main, ["run", str(job), "--steps", "3", "--out", str(part), "-q"]).exit_code == 0
+    out = runner.invoke(main, ["run", str(job), "--out", str(part), "--resume", "-q"])
+    assert out.exit_code == 0, out.output
+    keys = ("step", "reward_mean", "loss", "weight_version")
+    assert [[r[k] for k in keys] for r in metrics(part)] == [[r[k] for k in keys] for r in metrics(full)]
+
+
+def _faulty_job(tmp_path: Path, fn: str) -> Path:
+    return job_file(tmp_path, "grpo_tiny.yaml", **{"fn: digits_copy": f"fn: faulty_rewards:{fn}",
+                                                   "  steps: 150": "  steps: 8\n  checkpoint_every: 1"})
+
+
+def _run_subprocess(job: Path, out_dir: Path) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "graphrl.cli", "run", str(job), "--out", str(out_dir), "-q"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    return proc.returncode, proc.stderr + proc.stdout, time.perf_counter() - started
+
+
+def _no_rank_processes_left(out_dir: Path) -> bool:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return str(out_dir / "plan.msgpack") not in ps and "multiprocessing.spawn" not in ps
+
+
+def test_exception_in_a_rank_ends_the_run_naming_it(tmp_path):
+    code, output, wall = _run_subprocess(_faulty_job(tmp_path, "raise_on_rank1"), tmp_path / "run")
+    assert code != 0
+    assert "rank 1 failed" in output and "reward server unreachable" in output
+    assert "Traceback" not in output
+    assert wall < 60
+    assert _no_rank_processes_left(tmp_path / "run")
+
+
+def test_killed_rank_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    code, output, wall = _run_subprocess(_faulty_job(tmp_path, "kill_rank1"), tmp_path / "run")
+    assert code != 0
+    assert "rank 1" in output and "SIGKILL" in output
+    assert wall < 60
+    assert _no_rank_processes_left(tmp_path / "run")
+    from graphrl.executors.outputs import latest_checkpoint, load_checkpoint
+
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt is not None
+    state = load_checkpoint(ckpt)  # intact: loads, and has the policy's weights
+    assert "policy" in state["roles"] and state["roles"]["policy"]["weights"]
+
+
+def test_two_torchrun_nodes_on_loopback(tmp_path):
+    cluster = tmp_path / "two_nodes.yaml"
+    cluster.write_text("name: two-nodes\nnum_nodes: 2\ndevices_per_node: 1\nhardware: cpu-local\nbackend: gloo\n")
+    out = CliRunner().invoke(main, ["launch", str(EXAMPLES / "grpo_tiny.yaml"), "--emit", "torchrun", "-c", str(cluster),
+                                    "--steps", "3", "-o", str(tmp_path / "l"), "--port", "29731"])
+    assert out.exit_code == 0, out.output
+    script = tmp_path / "l" / "launch.sh"
+    env = {**os.environ, "OUT": str(tmp_path / "run")}
+    nodes = [subprocess.Popen(["bash", str(script)], env={**env, "NODE_RANK": str(n)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in range(2)]
+    for p in nodes:
+        p.wait(timeout=120)
+    assert [p.returncode for p in nodes] == [0, 0], nodes[0].stdout.read().decode()[-2000:]
+    assert len(metrics(tmp_path / "run")) == 3
+
+
+def test_slurm_script_is_written(tmp_path):
+    out = CliRunner().invoke(main, ["launch", str(EXAMPLES / "llama3_8b.yaml"), "--emit", "slurm", "--steps", "2",
+                                    "-o", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    text = (tmp_path / "launch.sbatch").read_text()
+    assert "#SBATCH --nodes=8" in text and "-m graphrl.executors" in text and "--nproc-per-node 8" in text
