@@ -47,6 +47,7 @@ from graphrl.tasks import EOS, PAD, REWARDS, TASKS, resolve_callable
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.outputs import MetricsWriter, save_checkpoint
+from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import Runtime
 from graphrl.executors.weightsync import run_weight_sync
 
@@ -77,7 +78,7 @@ class RankExecutor:
     """Interprets `plan.programs.streams[rank]` on one process of a torch.distributed job."""
 
     def __init__(self, plan: Plan, runtime: Runtime, out_dir: Path, *, start_step: int = 0,
-                 resume_state: dict[str, Any] | None = None) -> None:
+                 resume_state: dict[str, Any] | None = None, profile: ProfileSettings | None = None) -> None:
         if plan.programs is None:
             raise RunError("the plan has no programs", fix="compile it with `graphrl compile JOB -o plan.msgpack`")
         self.plan = plan
@@ -115,6 +116,8 @@ class RankExecutor:
             Checkpoint: self.checkpoint,
         }
         self.index = 0
+        self.spans = SpanRecorder(self.rank)
+        self.profiler = RankProfiler(self.rank, profile, runtime.device)
 
     # -- set-up ------------------------------------------------------------------------------------
     @property
@@ -173,14 +176,20 @@ class RankExecutor:
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
-        for self.index, ins in enumerate(self.stream):
-            if getattr(ins, "step", self.start_step) < self.start_step:
-                continue
-            if isinstance(ins, (WeightSync, ReshardInPlace)) and ins.version < self.start_step:
-                continue  # resumed (sync schedules): these versions were produced and used before the checkpoint
-            with self.rt.profile_span(ins):
-                self.dispatch[type(ins)](ins)
-        self.metrics.close()
+        with self.profiler:
+            try:
+                for self.index, ins in enumerate(self.stream):
+                    if getattr(ins, "step", self.start_step) < self.start_step:
+                        continue
+                    if isinstance(ins, (WeightSync, ReshardInPlace)) and ins.version < self.start_step:
+                        continue  # resumed (sync schedules): produced and used before the checkpoint
+                    with self.profiler.at(ins):
+                        start = now()
+                        self.dispatch[type(ins)](ins)
+                        self.spans.record(ins, start, now())
+            finally:
+                self.spans.write(self.out_dir / "timeline")
+                self.metrics.close()
 
     def fail(self, ins: Instruction, reason: str) -> RunError:
         return RunError(f"rank {self.rank} instruction {self.index} ({describe(ins)}): {reason}")
@@ -456,8 +465,8 @@ class RankExecutor:
 
 
 def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,
-             resume_state: dict[str, Any] | None = None) -> None:
-    RankExecutor(plan, runtime, out_dir, start_step=start_step, resume_state=resume_state).run()
+             resume_state: dict[str, Any] | None = None, profile: ProfileSettings | None = None) -> None:
+    RankExecutor(plan, runtime, out_dir, start_step=start_step, resume_state=resume_state, profile=profile).run()
 
 
 __all__ = ["RankExecutor", "run_rank", "math"]

@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from graphrl.errors import RunError
+from graphrl.executors.profiling import ProfileSettings, merge_timeline
 from graphrl.plan_io import load_plan, save_plan
 from graphrl.schemas.plan import Plan
 
@@ -35,7 +36,7 @@ def free_port() -> int:
 
 
 def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_step: int, threads: int,
-              resume_from: str | None, local_rank: int | None = None) -> None:
+              resume_from: str | None, local_rank: int | None = None, profile: ProfileSettings | None = None) -> None:
     """Entry point of one rank (a spawned process or a torchrun worker). Writes its error on failure."""
     from graphrl.executors.executor import run_rank
     from graphrl.executors.outputs import load_checkpoint
@@ -48,7 +49,7 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
         assert plan.programs is not None
         runtime = Runtime.init(rank, world_size, plan.job.run.device, plan.programs.groups, local_rank)
         resume_state = load_checkpoint(Path(resume_from)) if resume_from else None
-        run_rank(plan, runtime, out, start_step=start_step, resume_state=resume_state)
+        run_rank(plan, runtime, out, start_step=start_step, resume_state=resume_state, profile=profile)
         if world_size > 1:
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
@@ -78,7 +79,8 @@ def _read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
 
 
 def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from: Path | None = None,
-                 on_metrics: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None) -> RunOutcome:
+                 on_metrics: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None,
+                 profile: ProfileSettings | None = None) -> RunOutcome:
     """Run every rank of `plan` as a local process; raise RunError naming the first rank that failed."""
     assert plan.programs is not None
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -94,8 +96,13 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(env_port)
     ctx = mp.get_context("spawn")
+    timeline = out_dir / "timeline"
+    if timeline.exists():
+        for f in timeline.glob("rank*.json"):
+            f.unlink()
     procs = [ctx.Process(target=rank_main, args=(r, world, str(plan_path), str(out_dir), start_step, threads,
-                                                   str(resume_from) if resume_from else None), daemon=False)
+                                                   str(resume_from) if resume_from else None, None, profile),
+                         daemon=False)
              for r in range(world)]
     started = time.perf_counter()
     for p in procs:
@@ -131,6 +138,7 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
         steps_done += 1
         if on_metrics:
             on_metrics(row)
+    merge_timeline(timeline, out_dir / "timeline.json")
     if failure is not None:
         rank, message = failure
         where = f"rank {rank}" if rank >= 0 else "the run"

@@ -7,16 +7,14 @@ needs device tensors and on gloo CPU tensors; `comm_device` is where buffers mus
 
 from __future__ import annotations
 
-import contextlib
 import os
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from graphrl.schemas.program import Instruction, label
 
 # A peer that dies must not leave the others blocked for gloo's default 30 minutes.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("GRAPHRL_COLLECTIVE_TIMEOUT_S", "60"))
@@ -33,15 +31,13 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
 class Runtime:
     """One rank's view of the job's process groups and devices."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, groups: dict[str, tuple[int, ...]],
-                 profiler: Any = None) -> None:
+    def __init__(self, rank: int, world_size: int, device: torch.device, groups: dict[str, tuple[int, ...]]) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.comm_device = device if self.backend == "nccl" else torch.device("cpu")
         self._groups: dict[str, Any] = {}
-        self.profiler = profiler
         if world_size > 1:
             # Every rank must create every group, in the same order.
             for name in sorted(groups):
@@ -134,12 +130,3 @@ class Runtime:
                     if isinstance(v, Tensor) and v.device == self.device:
                         total += v.numel() * v.element_size()
         return total
-
-    # -- profiling ---------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def profile_span(self, ins: Instruction) -> Iterator[None]:
-        if self.profiler is None:
-            yield
-            return
-        with torch.profiler.record_function(label(ins)):
-            yield

@@ -305,9 +305,11 @@ def _override(loaded: LoadedJob, *, steps: int | None = None, seed: int | None =
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default runs/<job>).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run folder.")
 @click.option("--profile", type=click.Path(file_okay=False, path_type=Path), help="Write torch.profiler traces here.")
+@click.option("--profile-memory", is_flag=True, help="With --profile: also record memory.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def run(job: str, cluster: str | None, steps: int | None, seed: int | None, schedule: str | None,
-        strategy: str | None, out: Path | None, resume: bool, profile: Path | None, quiet: bool) -> None:
+        strategy: str | None, out: Path | None, resume: bool, profile: Path | None, profile_memory: bool,
+        quiet: bool) -> None:
     """Compile JOB and run it: one process per rank on this machine."""
     from graphrl.compiler.compile import compile_job
     from graphrl.executors.launcher import launch_local
@@ -329,15 +331,19 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         click.echo(f"resuming from {ckpt} at step {start_step}", err=True)
     elif (out_dir / "metrics.jsonl").exists():
         (out_dir / "metrics.jsonl").unlink()
+    settings = None
     if profile is not None:
-        raise GraphRLError("--profile is not available in this version", fix="run without --profile")
+        from graphrl.executors.profiling import ProfileSettings
+
+        profile.mkdir(parents=True, exist_ok=True)
+        settings = ProfileSettings(profile, memory=profile_memory)
     total = plan.programs.steps if plan.programs else 0
     click.echo(f"running {loaded.spec.name}: {plan.chosen.label} [{plan.chosen.estimate.mode}] on "
                f"{plan.cluster.num_devices} ranks, {total} steps -> {out_dir}", err=True)
     last: dict[str, Any] = {}
     if quiet:
         outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from,
-                               on_metrics=lambda row: last.update(row))
+                               on_metrics=lambda row: last.update(row), profile=settings)
     else:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -350,9 +356,13 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
                 last.update(row)
                 bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"], step_s=row["step_time_s"])
 
-            outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update)
+            outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update,
+                                   profile=settings)
     summary = ", ".join(f"{k} {last[k]:.4g}" for k in ("reward_mean", "loss") if k in last)
-    click.echo(f"done: {outcome.steps_done} steps in {outcome.wall_s:.1f} s ({summary}); metrics in {out_dir / 'metrics.jsonl'}")
+    click.echo(f"done: {outcome.steps_done} steps in {outcome.wall_s:.1f} s ({summary}); metrics in {out_dir / 'metrics.jsonl'}, "
+               f"timeline in {out_dir / 'timeline.json'}")
+    if profile is not None:
+        click.echo(f"profiles in {profile}: tensorboard --logdir {profile}")
 
 
 @main.command()
