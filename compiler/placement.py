@@ -267,8 +267,13 @@ def _gen_per_sequence(p: Problem, role: Role, tp: int) -> float:
     return one.kv_cache + one.activations
 
 
+def _gen_bytes_per_param(role: Role, precision: str) -> float:
+    """fp8 stores 1 byte per weight; otherwise the model's own dtype (a float32 CPU model stores 4)."""
+    return cost.PRECISION_BYTES[precision] if precision == "fp8" else max(role.weight_bytes, cost.BF16_BYTES)
+
+
 def _gen_weights(role: Role, tp: int, precision: str) -> float:
-    return cost.weight_bytes(role.dims, cost.PRECISION_BYTES[precision]) / tp
+    return cost.weight_bytes(role.dims, _gen_bytes_per_param(role, precision)) / tp
 
 
 # ------------------------------------------------------------------------------------------------
@@ -716,6 +721,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         concurrent = res[1] if res else 1
         gmem = cost.inference_memory(g.dims, tp=gen.tp, pp=1, precision=gen.precision,  # type: ignore[arg-type]
                                      batch=concurrent, context_len=p.workload.seq_len, generator=True)
+        gmem = replace(gmem, params=_gen_weights(g, gen.tp, gen.precision))
         placements.append(RolePlacement(
             role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
             precision=gen.precision, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]

@@ -107,6 +107,9 @@ def _check_ports(graph: JobGraph) -> None:
                     f"required input port {port!r} of {node.op} node {node.name!r} is not connected",
                     path=("nodes", node.name, "inputs"), fix=f"connect it, {hint}",
                 )
+
+
+def _check_consumed(graph: JobGraph) -> None:
     for node in graph.nodes():
         ports = op_kind(node.spec).ports(node.spec)
         consumed = {e.src_port for e in graph.out_edges(node.name)}
@@ -231,6 +234,9 @@ def typecheck(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     _check_ports(graph)
     for edge in graph.data_edges():
         _check_edge_schema(graph, edge)
+    # After the schemas: a miswired input also leaves its intended producer unused, and the miswiring
+    # is the mistake to report.
+    _check_consumed(graph)
     sizes = _unify_shapes(graph)
     _check_references(graph)
     warnings = _check_algorithm(graph)

@@ -11,6 +11,7 @@ arrive in pieces (from one or several generator replicas) and are joined when a 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -190,6 +191,31 @@ class RankExecutor:
             finally:
                 self.spans.write(self.out_dir / "timeline")
                 self.metrics.close()
+        self.write_ledger()
+
+    def write_ledger(self) -> None:
+        """This rank's device bytes of weights, gradients and optimizer state, beside the plan's accounting.
+
+        The plan counts mixed-precision Adam (2 + 2 + 12 bytes per parameter); a float32 model with AdamW
+        holds 4 + 4 + 8: the kinds differ, the totals agree. Generation copies that share the trainer's
+        module (colocated) count once."""
+        modules, optimizers, planned = [], [], 0.0
+        seen: set[int] = set()
+        for role in self.roles.values():
+            if id(role.module) in seen:
+                continue
+            seen.add(id(role.module))
+            modules.append(role.module)
+            if role.optimizer is not None:
+                optimizers.append(role.optimizer)
+            m = role.placement.memory_bytes
+            planned += m.params + m.grads + m.optimizer
+        measured = self.rt.device_bytes(modules, optimizers)
+        folder = self.out_dir / "ledger"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{self.rank}.json").write_text(json.dumps({
+            "rank": self.rank, "roles": sorted(self.roles), "measured_state_bytes": measured,
+            "planned_state_bytes": planned, "ratio": measured / planned if planned else None}))
 
     def fail(self, ins: Instruction, reason: str) -> RunError:
         return RunError(f"rank {self.rank} instruction {self.index} ({describe(ins)}): {reason}")

@@ -1,14 +1,21 @@
 """Executing a DDMA weight sync: the plan's transfer rounds, as batched point-to-point copies.
 
-Each bucket is one flat buffer from a trainer rank to a generator rank: the sender packs its slices
-(regions of parameters, in full-tensor coordinates) in order, the receiver unpacks them into its
-copy, casting to its own dtype (a precision change happens on the receiving side). All buckets of a
-round go out together with `batch_isend_irecv`; in a round no rank sends or receives more than one.
+Each side holds SHARDS: per parameter, a local tensor and the region of the full tensor it covers
+(a full copy is the shard whose region is the whole tensor). Each bucket is one flat buffer from a
+trainer rank to a generator rank: the sender packs its slices (regions of parameters, in full-tensor
+coordinates, shifted by its shard's offset) in order, the receiver unpacks them into its own shards,
+casting to their dtype: bytes on the wire are the sender's (`wire_dtype`), a precision change
+happens on the receiving side. A bucket of one slice that is contiguous in its shard is sent from,
+or received into, the shard itself (no packing copy). All of a rank's buckets of a round go out in
+one `batch_isend_irecv`; in a round no rank sends or receives more than one.
+
+`execute_weight_sync` runs the stored plan (what `compiler/schedule.py:_ddma` writes) on shards;
+`run_weight_sync` is the executor's entry point for whole modules.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -16,9 +23,71 @@ from torch import Tensor, nn
 
 from graphrl.errors import RunError
 
+Region = tuple[tuple[int, int], ...]  # (start, stop) per dim, in full-tensor coordinates
+ShardMap = Mapping[str, tuple[Tensor, Region]]  # param name -> (local tensor, region of the full tensor it holds)
 
-def _region(param: Tensor, region: list[list[int]]) -> Tensor:
-    return param[tuple(slice(a, b) for a, b in region)]
+
+def execute_weight_sync(
+    data: dict[str, Any],
+    rank: int,
+    src_shards: ShardMap,
+    dst_shards: ShardMap,
+    comm_device: torch.device,
+    device: torch.device,
+    *,
+    wire_dtype: torch.dtype,
+) -> None:
+    """This rank's part of every round of one stored weight-sync plan (sender, receiver, or both).
+
+    `src_shards` are the trainer shards this rank holds, `dst_shards` the generator shards it fills
+    (either may be empty). `wire_dtype` is the senders' dtype, what crosses the link; every rank of
+    the sync must pass the same one (a receiver cannot infer it). Buffers live on `comm_device`;
+    received bytes are unpacked on `device`.
+    """
+    if "rounds" not in data:
+        raise RunError(f"the weight sync of {data.get('model')} has {data['summary']['num_buckets']} buckets; its "
+                       "rounds are not stored in the plan and this executor does not replan them",
+                       fix="run this plan size on a cluster build, or compile a smaller job")
+    src = _checked(src_shards, "source", rank)
+    dst = _checked(dst_shards, "destination", rank)
+    for name, (tensor, _) in src.items():
+        if tensor.dtype != wire_dtype:
+            raise RunError(f"rank {rank}: source shard {name} is {tensor.dtype}, but the wire dtype is {wire_dtype}",
+                           fix="pass the senders' dtype as wire_dtype; the receiver casts")
+    with torch.no_grad():
+        for owner, _, slices in data.get("local", []):
+            if owner == rank:
+                for name, region in slices:
+                    _view(dst, name, region, rank, "destination").copy_(_view(src, name, region, rank, "source"))
+        for round_ in data["rounds"]:
+            ops, unpacks = [], []
+            for b_src, b_dst, _, slices in round_:
+                if b_src == rank:
+                    views = [_view(src, name, region, rank, "source") for name, region in slices]
+                    ops.append(dist.P2POp(dist.isend, _pack(views, wire_dtype, comm_device), b_dst))
+                if b_dst == rank:
+                    targets = [_view(dst, name, region, rank, "destination") for name, region in slices]
+                    buf = _direct(targets, wire_dtype, comm_device)
+                    if buf is None:
+                        buf = torch.empty(sum(t.numel() for t in targets), dtype=wire_dtype, device=comm_device)
+                        unpacks.append((targets, buf))
+                    ops.append(dist.P2POp(dist.irecv, buf, b_src))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            for targets, buf in unpacks:
+                _unpack(targets, buf.to(device))
+
+
+def run_weight_sync(data: dict[str, Any], rank: int, src: nn.Module | None, dst: nn.Module | None, rt: Any) -> None:
+    """`execute_weight_sync` for whole modules (every rank holds full parameters; `rt` gives
+    `comm_device` and `device`). The trainer and generator copies of a model share its dtype, so a
+    pure receiver takes its own as the wire dtype."""
+    src_params, dst_params = _params(src), _params(dst)
+    held = next(iter(src_params.values()), None)
+    held = next(iter(dst_params.values()), None) if held is None else held
+    execute_weight_sync(data, rank, _whole(src_params), _whole(dst_params), rt.comm_device, rt.device,
+                        wire_dtype=held.dtype if held is not None else torch.float32)
 
 
 def _params(module: nn.Module | None) -> dict[str, Tensor]:
@@ -30,57 +99,65 @@ def _params(module: nn.Module | None) -> dict[str, Tensor]:
     return params
 
 
-def _pack(params: dict[str, Tensor], slices: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    parts = [_region(params[name].detach(), region).reshape(-1).to(dtype) for name, region in slices]
-    return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=dtype, device=device)
+def _whole(params: dict[str, Tensor]) -> dict[str, tuple[Tensor, Region]]:
+    return {name: (p, tuple((0, n) for n in p.shape)) for name, p in params.items()}
 
 
-def _unpack(params: dict[str, Tensor], slices: list, flat: Tensor) -> None:
+def _checked(shards: ShardMap, side: str, rank: int) -> dict[str, tuple[Tensor, Region]]:
+    """Shards as (detached tensor, tuple region), each tensor's shape the size of its region."""
+    out = {}
+    for name, (tensor, region) in shards.items():
+        region = tuple((int(a), int(b)) for a, b in region)
+        if tuple(tensor.shape) != tuple(b - a for a, b in region):
+            raise RunError(f"rank {rank}: {side} shard {name} has shape {tuple(tensor.shape)}, "
+                           f"but its region {region} has shape {tuple(b - a for a, b in region)}")
+        out[name] = (tensor.detach(), region)
+    return out
+
+
+def _view(shards: dict[str, tuple[Tensor, Region]], name: str, region: list[list[int]], rank: int,
+          side: str) -> Tensor:
+    """`region` (full-tensor coordinates) of `name`, as a view into this rank's shard of it."""
+    held = shards.get(name)
+    if held is None:
+        raise RunError(f"rank {rank}: the weight-sync plan needs {side} {name}{_fmt(region)}, but this rank holds "
+                       f"no {side} shard of {name}")
+    tensor, within = held
+    if len(region) != len(within) or any(not (wa <= a <= b <= wb) for (a, b), (wa, wb) in zip(region, within)):
+        raise RunError(f"rank {rank}: the weight-sync plan needs {side} {name}{_fmt(region)}, outside the "
+                       f"shard {_fmt(within)} this rank holds",
+                       fix="give each rank the shards of the layout the plan was compiled for")
+    return tensor[tuple(slice(a - wa, b - wa) for (a, b), (wa, _) in zip(region, within))]
+
+
+def _fmt(region: Any) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"
+
+
+def _direct(views: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor | None:
+    """The bucket's one slice as a flat tensor sharing its shard's memory, when it can go on the wire as is."""
+    if len(views) != 1:
+        return None
+    (v,) = views
+    return v.view(-1) if v.is_contiguous() and v.dtype == dtype and v.device == device else None
+
+
+def _pack(views: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    flat = _direct(views, dtype, device)
+    if flat is not None:
+        return flat
+    flat = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=device)
     offset = 0
-    with torch.no_grad():
-        for name, region in slices:
-            target = _region(params[name], region)
-            n = target.numel()
-            target.copy_(flat[offset:offset + n].view(target.shape).to(target.dtype))
-            offset += n
+    for v in views:
+        n = v.numel()
+        flat[offset:offset + n].view(v.shape).copy_(v)
+        offset += n
+    return flat
 
 
-def run_weight_sync(data: dict[str, Any], rank: int, src: nn.Module | None, dst: nn.Module | None, rt: Any) -> None:
-    """This rank's part of every round of one weight sync (sender, receiver, or both)."""
-    if "rounds" not in data:
-        raise RunError(f"the weight sync of {data.get('model')} has {data['summary']['num_buckets']} buckets; its "
-                       "rounds are not stored in the plan and this executor does not replan them",
-                       fix="run this plan size on a cluster build, or compile a smaller job")
-    src_params, dst_params = _params(src), _params(dst)
-    wire = next(iter(src_params.values())).dtype if src_params else next(iter(dst_params.values())).dtype
-    for rank_, _, slices in data.get("local", []):
-        if rank_ == rank and src_params and dst_params:
-            with torch.no_grad():
-                for name, region in slices:
-                    _region(dst_params[name], region).copy_(_region(src_params[name], region))
-    for round_ in data["rounds"]:
-        ops, receives = [], []
-        for b_src, b_dst, _, slices in round_:
-            if b_src == rank:
-                if not src_params:
-                    raise RunError(f"rank {rank} must send weights but holds no trainer copy")
-                ops.append(dist.P2POp(dist.isend, _pack(src_params, slices, wire, rt.comm_device), b_dst))
-            if b_dst == rank:
-                if not dst_params:
-                    raise RunError(f"rank {rank} must receive weights but holds no generator copy")
-                count = sum(_numel(region) for _, region in slices)
-                buf = torch.empty(count, dtype=wire, device=rt.comm_device)
-                ops.append(dist.P2POp(dist.irecv, buf, b_src))
-                receives.append((slices, buf))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for slices, buf in receives:
-            _unpack(dst_params, slices, buf.to(rt.device))
-
-
-def _numel(region: list[list[int]]) -> int:
-    n = 1
-    for a, b in region:
-        n *= b - a
-    return n
+def _unpack(targets: list[Tensor], flat: Tensor) -> None:
+    offset = 0
+    for t in targets:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view(t.shape))  # casts to the shard's dtype
+        offset += n

@@ -165,15 +165,16 @@ def _compile(job: str, cluster: str | None, **options):  # noqa: ANN201
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "html"]), default="text", show_default=True,
               help="Preview format.")
 @click.option("--exhaustive", is_flag=True, help="Combine every generator and trainer layout (slower; small clusters).")
+@click.option("--steps", type=int, help="Steps to unroll into the programs (default: the job's).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan (msgpack) to this file; with --format html/json, write the preview here instead.")
 def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, fmt: str, exhaustive: bool,
-                output: Path | None) -> None:
+                steps: int | None, output: Path | None) -> None:
     """Compile JOB for a cluster: place every role, insert transfers, and preview the plan."""
     from graphrl.compiler.preview import render_html, render_text
     from graphrl.plan_io import save_plan
 
-    plan = _compile(job, cluster, exhaustive=exhaustive)
+    plan = _compile(job, cluster, exhaustive=exhaustive, steps=steps)
     if output is not None and fmt == "text":
         save_plan(plan, output)
         click.echo(f"wrote {output} ({plan.chosen.label}, {plan.chosen.estimate.step_time_s:.4g} s/step predicted)",
