@@ -386,5 +386,31 @@ def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: 
     click.echo(f"wrote {plan_path} and {script}")
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["text", "html", "json"]), default="html", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the report here (html default: RUN_DIR/report.html; text and json print).")
+@click.option("--width", type=int, default=120, show_default=True, help="Text width (text format).")
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Leading steps left out of the averages (start-up, allocator and kernel warm-up).")
+def report(run_dir: Path, fmt: str, output: Path | None, width: int, warmup_steps: int) -> None:
+    """Report on a run folder: reward, loss and KL curves, and measured time against the plan's prediction."""
+    from graphrl.report import build_report
+
+    rep = build_report(run_dir, warmup_steps=warmup_steps)
+    if fmt == "html":
+        target = output or run_dir / "report.html"
+        target.write_text(rep.render_html())
+        click.echo(f"wrote {target}", err=True)
+        return
+    out = json.dumps(rep.data, indent=2) if fmt == "json" else rep.render_text(width=width)
+    if output is not None:
+        output.write_text(out + "\n")
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(out)
+
+
 if __name__ == "__main__":
     main()

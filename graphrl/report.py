@@ -20,6 +20,7 @@ the same tables. Every figure is computed here; the template only lays them out.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -270,7 +271,7 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         what = "is not a folder" if run_dir.exists() else "does not exist"
-        raise RunError(f"run folder {run_dir} {what}", location=Location(str(run_dir)),
+        raise RunError(f"run folder {run_dir} {what}",
                        fix="pass the folder given to `graphrl run --out` (default runs/<job name>)")
     assert warmup_steps >= 0, "warmup_steps counts steps"
     metrics, notes = read_metrics(run_dir / METRICS_FILE)
@@ -303,13 +304,10 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
     steady_metrics = [row for row in metrics if row["step"] not in warm]
 
     # Time per instruction kind.
+    steady_of = {source: steady_spans(spans, warmup_steps)
+                 for source, spans in (("predicted", predicted), ("measured", measured)) if spans is not None}
     kinds: dict[str, dict[str, Any]] = {}
-    kind_steps: dict[str, list[int]] = {}
-    for source, spans in (("predicted", predicted), ("measured", measured)):
-        if spans is None:
-            continue
-        kept, steps = steady_spans(spans, warmup_steps)
-        kind_steps[source] = steps
+    for source, (kept, steps) in steady_of.items():
         for kind, seconds in seconds_per_kind(kept, len(steps)).items():
             kinds.setdefault(kind, {"kind": kind, "predicted_s": None, "measured_s": None})[f"{source}_s"] = seconds
     kind_rows = sorted(kinds.values(), key=lambda r: -max(r["predicted_s"] or 0.0, r["measured_s"] or 0.0))
@@ -324,8 +322,8 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
         for mesh in plan.chosen.meshes:
             for r in mesh.devices:
                 mesh_of[r] = mesh.name
-    busy_measured = busy_fractions(steady_spans(measured, warmup_steps)[0], num_ranks) if measured is not None else None
-    busy_predicted = busy_fractions(steady_spans(predicted, warmup_steps)[0], num_ranks) if predicted is not None else None
+    busy_measured = busy_fractions(steady_of["measured"][0], num_ranks) if "measured" in steady_of else None
+    busy_predicted = busy_fractions(steady_of["predicted"][0], num_ranks) if "predicted" in steady_of else None
     busy_rows = [{"rank": r, "mesh": mesh_of.get(r, "-"),
                   "measured": busy_measured[r] if busy_measured is not None else None,
                   "simulated": busy_predicted[r] if busy_predicted is not None else None} for r in range(num_ranks)]
@@ -362,7 +360,7 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
         "metrics": metrics,
         "step_times": step_rows,
         "kinds": {"rows": kind_rows, "measured": measured is not None, "predicted": predicted is not None,
-                  "steps_averaged": {k: len(v) for k, v in kind_steps.items()}},
+                  "steps_averaged": {k: len(steps) for k, (_, steps) in steady_of.items()}},
         "busy": {"source": "measured" if measured is not None else "simulated" if predicted is not None else None,
                  "ranks": busy_rows, "meshes": busy_meshes},
         "notes": notes,
@@ -386,8 +384,7 @@ class Report:
 
     def render_text(self, width: int = 120) -> str:
         """The same tables for a terminal (plain text, no colour codes)."""
-        console = Console(width=width, record=True, file=open("/dev/null", "w"), force_terminal=False,
-                          color_system=None)
+        console = Console(width=width, record=True, file=io.StringIO(), force_terminal=False, color_system=None)
         console.print(Group(*_text_parts(self.data)))
         return console.export_text()
 
@@ -431,11 +428,17 @@ def _steady_text(d: dict[str, Any]) -> str:
     return f"{s['steady_steps']} steps after {d['warmup_steps']} warm-up step{'s' if d['warmup_steps'] > 1 else ''}"
 
 
+def _table(title: str, show_header: bool = True) -> Table:
+    # Wide enough that a title stays on one line (rich wraps titles to the table's width).
+    return Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", show_header=show_header,
+                 min_width=len(title) + 2)
+
+
 def _text_parts(d: dict[str, Any]) -> list[Any]:
     s = d["summary"]
     parts: list[Any] = [Text(_title(d), style="bold")]
 
-    summary = Table(title="summary", box=box.SIMPLE_HEAVY, title_justify="left", show_header=False)
+    summary = _table("summary", show_header=False)
     summary.add_column("")
     summary.add_column("", justify="right")
     rows = [
@@ -454,7 +457,7 @@ def _text_parts(d: dict[str, Any]) -> list[Any]:
     parts.append(summary)
 
     parts.append(Text("\nerror = (predicted - measured) / measured"))
-    steps = Table(title="seconds per step", box=box.SIMPLE_HEAVY, title_justify="left")
+    steps = _table("seconds per step")
     for col in ("step", "measured", "predicted", "error"):
         steps.add_column(col, justify="right")
     head, omitted, tail = _shown(d["step_times"])
@@ -472,28 +475,26 @@ def _text_parts(d: dict[str, Any]) -> list[Any]:
     if kinds["rows"]:
         parts.append(Text(f"\ntime per instruction kind: seconds per step on a rank that runs it, averaged over "
                           f"{_steady_text(d)}" + ("; measured spans include waiting for peers" if kinds["measured"] else "")))
-        table = Table(title="time per instruction kind", box=box.SIMPLE_HEAVY, title_justify="left")
+        table = _table("time per instruction kind")
         for col in ("kind", "predicted", "measured", "error"):
             table.add_column(col, justify="left" if col == "kind" else "right")
         for row in kinds["rows"]:
             table.add_row(row["kind"], fmt_seconds(row["predicted_s"]), fmt_seconds(row["measured_s"]),
                           fmt_pct(row["error_pct"], signed=True))
         parts.append(table)
-    if not kinds["measured"]:
-        parts.append(Text(f"no measured time per instruction kind: the run folder has no {TIMELINE_FILE}"))
 
     busy = d["busy"]
     if busy["source"] is not None:
         per_mesh = len(busy["ranks"]) > MAX_RANK_ROWS
-        table = Table(title=f"busy fraction per {'mesh' if per_mesh else 'rank'}"
-                            f"{' (simulated: no timeline.json)' if busy['source'] == 'simulated' else ''}",
-                      box=box.SIMPLE_HEAVY, title_justify="left")
-        for col in ("mesh (ranks)", "measured", "simulated") if per_mesh else ("rank", "mesh", "measured", "simulated"):
-            table.add_column(col, justify="right" if col in ("measured", "simulated", "rank") else "left")
-        for row in busy["meshes"] if per_mesh else busy["ranks"]:
+        table = _table(f"busy fraction per {'mesh' if per_mesh else 'rank'}"
+                       f"{' (simulated: no timeline.json)' if busy['source'] == 'simulated' else ''}")
+        rows = busy["meshes"] if per_mesh else busy["ranks"]
+        sources = [k for k in ("measured", "simulated") if any(row[k] is not None for row in rows)]
+        for col in (["mesh (ranks)"] if per_mesh else ["rank", "mesh"]) + sources:
+            table.add_column(col, justify="left" if col.startswith("mesh") else "right")
+        for row in rows:
             first = [f"{row['mesh']} ({row['num_ranks']})"] if per_mesh else [str(row["rank"]), row["mesh"]]
-            table.add_row(*first, fmt_pct(None if row["measured"] is None else 100 * row["measured"]),
-                          fmt_pct(None if row["simulated"] is None else 100 * row["simulated"]))
+            table.add_row(*first, *(fmt_pct(None if row[k] is None else 100 * row[k]) for k in sources))
         parts.append(table)
     parts += [Text(f"note: {n}") for n in d["notes"]]
     return parts
