@@ -356,13 +356,14 @@ def generation_time(
 
     steps = response_len - 1
     if steps <= 0:
-        return prefill
+        return prefill + dims.num_layers * hw.layer_overhead_s
     a_c, b_c, a_m, b_m = _decode_coefficients(
         dims, batch, tp, bytes_per_param, kv_bytes_per_elem, hw, peak
     )
     decode = _sum_max_linear(a_c, b_c, a_m, b_m, prompt_len + 1, prompt_len + steps)
     decode += steps * _tp_allreduce_per_pass(dims, batch, tp, hw, spans_nodes)
-    return prefill + decode
+    # Host time: one pass through every layer for the prefill and for each decode step.
+    return prefill + decode + (1 + steps) * dims.num_layers * hw.layer_overhead_s
 
 
 # --------------------------------------------------------------------------------------------------
@@ -678,9 +679,12 @@ def training_step_time(
     critical = compute + tp_comm + pp_comm
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_dp
+    # Host time: a forward, a backward (about two passes' worth of kernels) and, with recompute, one
+    # more forward, through this stage's layers, per micro-batch.
+    host = m * (4 if recompute else 3) * layers_per_stage * hw.layer_overhead_s
     return StepCost(
-        compute_s=compute, comm_s=tp_comm + pp_comm + overlappable + not_overlappable,
-        exposed_comm_s=exposed, bubble_s=bubble, total_s=compute + exposed + bubble,
+        compute_s=compute + host, comm_s=tp_comm + pp_comm + overlappable + not_overlappable,
+        exposed_comm_s=exposed, bubble_s=bubble, total_s=compute + host + exposed + bubble,
     )
 
 
@@ -739,7 +743,8 @@ def forward_time(
     critical = compute + tp_comm + pp_comm
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_gather
+    host = m * layers_per_stage * hw.layer_overhead_s
     return StepCost(
-        compute_s=compute, comm_s=tp_comm + pp_comm + gather, exposed_comm_s=exposed, bubble_s=bubble,
-        total_s=compute + exposed + bubble,
+        compute_s=compute + host, comm_s=tp_comm + pp_comm + gather, exposed_comm_s=exposed, bubble_s=bubble,
+        total_s=compute + host + exposed + bubble,
     )

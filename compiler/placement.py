@@ -307,6 +307,11 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
     spans_dp = p.spans(cfg.first, cfg.n) if cfg.dp * cfg.fsdp > 1 else False
     common = dict(seq_len=w.seq_len, hw=p.hw, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
                   intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp)
+    # Micro-batches per data-parallel rank: the job's micro-batch size splits the local share (one
+    # micro-batch when unset); pipelines need at least pp of them in flight.
+    local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
+    micro = max(1, math.ceil(local / w.micro_batch)) if w.micro_batch else 1
+    common["microbatches"] = max(micro, 4 * cfg.pp) if cfg.pp > 1 else micro
     out: dict[str, float] = {}
     for role in p.roles_of("infer", "train"):
         forward = cost.forward_time(role.dims, tokens=w.tokens, **common).total_s + p.hw.op_overhead_s
@@ -316,7 +321,7 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
         step = cost.training_step_time(
             role.dims, tokens=w.tokens, seq_len=w.seq_len, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
             sharding=cfg.sharding, recompute=cfg.recompute, hw=p.hw,  # type: ignore[arg-type]
-            intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp,
+            intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp, microbatches=common["microbatches"],
         )
         out[f"TrainStep:{role.name}"] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
         # Critics (and any train role besides the policy) also run a forward for their values.

@@ -56,6 +56,37 @@ def memory_bandwidth(num_bytes: int = 128 * 2**20) -> float:
     return 2 * num_bytes / _best_time(lambda: dst.copy_(src), repeat=3)  # read + write
 
 
+def layer_overhead(num_tokens: int = 4) -> float:
+    """Seconds of host time per transformer layer per pass: forward a few tokens through a narrow
+    Llama at two depths; the FLOPs are negligible, so the slope is the per-layer dispatch cost."""
+    from graphrl.executors.models.llama import Llama
+    from graphrl.schemas.model import ModelDims
+
+    def model(layers: int) -> Llama:
+        dims = ModelDims(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=2,
+                         num_kv_heads=1, max_seq_len=64, rope_theta=10000.0)
+        return Llama(dims).eval()
+
+    ids = torch.zeros(1, num_tokens, dtype=torch.int64)
+    mask = torch.ones(1, num_tokens, dtype=torch.bool)
+    shallow, deep = model(2), model(10)
+    with torch.no_grad():
+        t2 = _best_time(lambda: shallow(ids, mask))
+        t10 = _best_time(lambda: deep(ids, mask))
+    return max((t10 - t2) / 8, 0.0)
+
+
+def instruction_overhead() -> float:
+    """Seconds of fixed host work an executed instruction costs besides its math: a rule reward over a
+    small batch, which is almost nothing but dispatch."""
+    from graphrl.tasks import REWARDS
+
+    ids = torch.randint(0, 10, (8, 6))
+    mask = torch.ones(8, 6, dtype=torch.bool)
+    fn = REWARDS["digits_copy"]
+    return _best_time(lambda: fn(ids, mask, ids[:, :5], mask[:, :5]))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,6 +148,10 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True) -> H
         report("measuring memory bandwidth...")
         mem_bw = memory_bandwidth()
         report(f"  {mem_bw / 1e9:.2f} GB/s")
+        report("measuring per-layer and per-instruction host overheads...")
+        per_layer = layer_overhead()
+        per_op = instruction_overhead()
+        report(f"  {per_layer * 1e6:.0f} µs per layer pass, {per_op * 1e6:.0f} µs per instruction")
     finally:
         torch.set_num_threads(threads)
     p2p_bw, latency = base.intra_node_bandwidth, base.link_latency_s
@@ -127,6 +162,7 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True) -> H
     return base.model_copy(update=dict(
         peak_bf16_flops=peak, memory_bandwidth=mem_bw, intra_node_bandwidth=p2p_bw, inter_node_bandwidth=p2p_bw,
         host_link_bandwidth=mem_bw, link_latency_s=latency, compute_efficiency=min(1.0, max(small / peak, 0.05)),
+        layer_overhead_s=per_layer, op_overhead_s=per_op,
     ))
 
 

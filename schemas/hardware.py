@@ -51,6 +51,11 @@ class HardwareSpec(Frozen):
     op_overhead_s: float = Field(
         default=0.0, ge=0, description="Fixed host overhead per executed instruction, seconds."
     )
+    layer_overhead_s: float = Field(
+        default=0.0, ge=0,
+        description="Fixed host time per transformer layer per forward or backward pass (kernel launches, "
+                    "dispatch), seconds; dominant for tiny models on CPU, negligible for large ones on GPUs.",
+    )
     reserved_memory_fraction: float = Field(
         default=0.1, ge=0, lt=1, description="Device memory kept free for the allocator, workspace and fragmentation."
     )
@@ -85,7 +90,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         name="cpu-local", kind="cpu", peak_bf16_flops=50e9, peak_fp8_flops=0.0,
         memory_bytes=4 * GiB, memory_bandwidth=10 * GB, intra_node_bandwidth=2 * GB,
         inter_node_bandwidth=1 * GB, host_link_bandwidth=10 * GB, link_latency_s=50e-6,
-        compute_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0, op_overhead_s=1e-3,
+        compute_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0, op_overhead_s=1e-3, layer_overhead_s=2e-4,
         reserved_memory_fraction=0.0,
     ),
 }
