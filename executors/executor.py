@@ -48,6 +48,7 @@ from graphrl.tasks import EOS, PAD, REWARDS, TASKS, resolve_callable
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.outputs import MetricsWriter, save_checkpoint
+from graphrl.executors.parallel import full_state_dict, is_sharded, wrap_trainer
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import Runtime
 from graphrl.executors.weightsync import run_weight_sync
@@ -63,6 +64,7 @@ class RoleState:
     placement: RolePlacement
     module: nn.Module
     wrapped: nn.Module | None = None
+    wrapping: str = "local"
     optimizer: torch.optim.Optimizer | None = None
     version: int = 0
     offloaded: set[str] = field(default_factory=set)
@@ -144,7 +146,8 @@ class RankExecutor:
             spec = self.job.models[p.model]
             dims = spec.resolved_dims()
             dtype = _DTYPES[spec.dtype]
-            if p.kind == "generate" and colocated and p.model in self.roles:
+            if p.kind == "generate" and colocated and p.model in self.roles and \
+                    self.roles[p.model].wrapping != "fsdp2":
                 # Colocated: generation reads the trainer's own (replicated) weights; nothing to copy.
                 self.roles[p.role] = RoleState(p, self.roles[p.model].module)
                 continue
@@ -161,7 +164,8 @@ class RankExecutor:
             if p.kind == "train":
                 lr = next((n.spec.lr for n in self.graph.nodes() if n.op == "train" and n.spec.model == p.model and n.spec.lr), None)
                 alg_spec = self.job.algorithm
-                state.wrapped = module
+                state.wrapped, state.wrapping = wrap_trainer(module, p.sharding, self.rt.group("trainer"),
+                                                             self.rt.device)
                 state.optimizer = torch.optim.AdamW(module.parameters(), lr=lr or alg_spec.lr, betas=alg_spec.betas,
                                                     weight_decay=alg_spec.weight_decay)
             else:
@@ -295,15 +299,22 @@ class RankExecutor:
         role = self._forward_role(ins)
         r = self.read(ins, "rollouts")
         with torch.no_grad():
-            lp, _ = token_logprobs_and_entropy(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
-                                               r["response_mask"])
+            if role.wrapped is not None:  # a trained model: its forward runs through DDP / FSDP2
+                lp, _ = role.wrapped(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            else:
+                lp, _ = token_logprobs_and_entropy(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
+                                                   r["response_mask"])
         self.values[(ins.step, ins.node, "logprobs")] = lp.float()
 
     def value(self, ins: Value) -> None:
         role = self._forward_role(ins)
         r = self.read(ins, "rollouts")
         with torch.no_grad():
-            values = token_values(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            if role.wrapped is not None:
+                values = role.wrapped(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            else:
+                values = token_values(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
+                                      r["response_mask"])
         self.values[(ins.step, ins.node, "values")] = values.float() * r["response_mask"]
 
     def reward(self, ins: Reward) -> None:
@@ -361,12 +372,11 @@ class RankExecutor:
         for _ in range(a.updates_per_step):
             role.optimizer.zero_grad(set_to_none=True)
             if spec.loss == "critic":
-                values = token_values(module, r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
+                values = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
                 old = self.read(ins, "values")
                 loss, metrics = alg.critic_loss(values, old, adv["returns"], mask, a.value_clip)
             else:
-                logprobs, entropy = token_logprobs_and_entropy(module, r["prompt_ids"], r["prompt_mask"],
-                                                               r["response_ids"], mask)
+                logprobs, entropy = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
                 old = self.read(ins, "old_logprobs")
                 behaviour = r["behaviour_logprobs"]
                 if spec.loss == "aipo":
@@ -383,9 +393,10 @@ class RankExecutor:
                     ent, _ = alg.entropy_bonus(entropy, mask)
                     loss = loss + a.entropy_coef * ent
                 metrics["entropy"] = float(alg.masked_mean(entropy.detach(), mask))
-            loss.backward()
-            self.rt.average_gradients(role.module, "trainer")
+            loss.backward()  # DDP / FSDP2 reduce the gradients over the trainer's data-parallel ranks
             grad_norm = torch.nn.utils.clip_grad_norm_(role.module.parameters(), a.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
             role.optimizer.step()
             metrics["loss"] = float(loss.detach())
             metrics["grad_norm"] = float(grad_norm)
@@ -475,7 +486,7 @@ class RankExecutor:
         if src.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
         if dst.module is not src.module:
-            dst.module.load_state_dict(src.module.state_dict())
+            dst.module.load_state_dict(full_state_dict(src.module))
         dst.version = ins.version
 
     def release_weights(self, ins: ReleaseWeights) -> None:
@@ -483,8 +494,10 @@ class RankExecutor:
 
     def checkpoint(self, ins: Checkpoint) -> None:
         roles = {name: r for name, r in self.roles.items() if r.placement.kind != "generate"}
+        # Sharded weights are gathered by every rank of the shard group (a collective), then saved once.
+        weights = {name: full_state_dict(r.module) for name, r in roles.items()}
         if self.is_reporter:
-            save_checkpoint(self.out_dir, ins.step, roles, self.seed)
+            save_checkpoint(self.out_dir, ins.step, roles, weights, self.seed)
         group = self.rt.group(ins.group)
         if group is not None:
             dist.barrier(group=group)

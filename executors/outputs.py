@@ -53,7 +53,8 @@ class MetricsWriter:
             self._tb.close()
 
 
-def save_checkpoint(out_dir: Path, step: int, roles: dict[str, Any], seed: int) -> Path:
+def save_checkpoint(out_dir: Path, step: int, roles: dict[str, Any], weights: dict[str, dict[str, Any]],
+                    seed: int) -> Path:
     root = out_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -62,12 +63,14 @@ def save_checkpoint(out_dir: Path, step: int, roles: dict[str, Any], seed: int) 
         meta: dict[str, Any] = {"step": step, "next_step": step + 1, "seed": seed, "roles": {}}
         for name, role in roles.items():
             safe = name.replace("/", "__")
-            weights = {k: v.detach().cpu().contiguous() for k, v in role.module.state_dict().items()}
-            save_file(weights, str(tmp / f"{safe}.safetensors"))
-            if role.optimizer is not None:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in weights[name].items()}
+            save_file(tensors, str(tmp / f"{safe}.safetensors"))
+            # A sharded optimizer's state lives on every rank; only replicated state is saved here.
+            keep_optimizer = role.optimizer is not None and role.wrapping != "fsdp2"
+            if keep_optimizer:
                 torch.save(role.optimizer.state_dict(), tmp / f"{safe}.optimizer.pt")
             meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors",
-                                   "optimizer": f"{safe}.optimizer.pt" if role.optimizer is not None else None}
+                                   "optimizer": f"{safe}.optimizer.pt" if keep_optimizer else None}
         meta["rng"] = {"torch": torch.get_rng_state().tolist()}
         (tmp / "meta.json").write_text(json.dumps(meta))
         if final.exists():

@@ -116,17 +116,22 @@ class Runtime:
         torch.cuda.synchronize(self.device)
 
     def device_bytes(self, modules: list[nn.Module], optimizers: list[Any]) -> int:
-        """Bytes of parameters, gradients and optimizer state currently on this rank's device."""
+        """Bytes of parameters, gradients and optimizer state this rank holds on its device (the local
+        shard of a sharded tensor)."""
+
+        def local_bytes(t: Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size() if t.device == self.device else 0
+
         total = 0
         for m in modules:
             for p in m.parameters():
-                if p.device == self.device:
-                    total += p.numel() * p.element_size()
-                if p.grad is not None and p.grad.device == self.device:
-                    total += p.grad.numel() * p.grad.element_size()
+                total += local_bytes(p.data if not hasattr(p, "to_local") else p)
+                if p.grad is not None:
+                    total += local_bytes(p.grad)
         for opt in optimizers:
             for st in opt.state.values():
                 for v in st.values():
-                    if isinstance(v, Tensor) and v.device == self.device:
-                        total += v.numel() * v.element_size()
+                    if isinstance(v, Tensor) and v.dim() > 0:
+                        total += local_bytes(v)
         return total
