@@ -1,13 +1,16 @@
 """Executing a DDMA weight sync: the plan's transfer rounds, as batched point-to-point copies.
 
 Each side holds SHARDS: per parameter, a local tensor and the region of the full tensor it covers
-(a full copy is the shard whose region is the whole tensor). Each bucket is one flat buffer from a
-trainer rank to a generator rank: the sender packs its slices (regions of parameters, in full-tensor
-coordinates, shifted by its shard's offset) in order, the receiver unpacks them into its own shards,
-casting to their dtype: bytes on the wire are the sender's (`wire_dtype`), a precision change
-happens on the receiving side. A bucket of one slice that is contiguous in its shard is sent from,
-or received into, the shard itself (no packing copy). All of a rank's buckets of a round go out in
-one `batch_isend_irecv`; in a round no rank sends or receives more than one.
+(a full copy is the shard whose region is the whole tensor). A bucket carries slices (regions of
+parameters, in full-tensor coordinates, shifted by each side's shard offset) from a trainer rank to
+a generator rank. Bytes on the wire are the sender's (`wire_dtype`); the receiver casts to its
+shards' dtype, so a precision change happens on the receiving side.
+
+A bucket goes as a few messages, cut the same way on both sides from the plan alone: a large
+slice travels alone, straight from and into the shards where they are contiguous and of the wire
+dtype (no staging copy, no staging memory); runs of small slices share one packed buffer. All of a
+rank's messages of a round go out in one `batch_isend_irecv`; in a round no rank sends or receives
+more than one bucket.
 
 `execute_weight_sync` runs the stored plan (what `compiler/schedule.py:_ddma` writes) on shards;
 `run_weight_sync` is the executor's entry point for whole modules.
@@ -25,6 +28,10 @@ from graphrl.errors import RunError
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dim, in full-tensor coordinates
 ShardMap = Mapping[str, tuple[Tensor, Region]]  # param name -> (local tensor, region of the full tensor it holds)
+
+# A slice of at least this many elements is a message of its own (direct when its shard allows);
+# below it, per-message latency outweighs a staging copy, so neighbouring small slices are packed.
+DIRECT_MIN_ELEMS = 1 << 16
 
 
 def execute_weight_sync(
@@ -63,15 +70,17 @@ def execute_weight_sync(
             ops, unpacks = [], []
             for b_src, b_dst, _, slices in round_:
                 if b_src == rank:
-                    views = [_view(src, name, region, rank, "source") for name, region in slices]
-                    ops.append(dist.P2POp(dist.isend, _pack(views, wire_dtype, comm_device), b_dst))
+                    for message in _messages(slices):
+                        views = [_view(src, name, region, rank, "source") for name, region in message]
+                        ops.append(dist.P2POp(dist.isend, _pack(views, wire_dtype, comm_device), b_dst))
                 if b_dst == rank:
-                    targets = [_view(dst, name, region, rank, "destination") for name, region in slices]
-                    buf = _direct(targets, wire_dtype, comm_device)
-                    if buf is None:
-                        buf = torch.empty(sum(t.numel() for t in targets), dtype=wire_dtype, device=comm_device)
-                        unpacks.append((targets, buf))
-                    ops.append(dist.P2POp(dist.irecv, buf, b_src))
+                    for message in _messages(slices):
+                        targets = [_view(dst, name, region, rank, "destination") for name, region in message]
+                        buf = _direct(targets, wire_dtype, comm_device)
+                        if buf is None:
+                            buf = torch.empty(sum(t.numel() for t in targets), dtype=wire_dtype, device=comm_device)
+                            unpacks.append((targets, buf))
+                        ops.append(dist.P2POp(dist.irecv, buf, b_src))
             if ops:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
@@ -128,6 +137,30 @@ def _view(shards: dict[str, tuple[Tensor, Region]], name: str, region: list[list
                        f"shard {_fmt(within)} this rank holds",
                        fix="give each rank the shards of the layout the plan was compiled for")
     return tensor[tuple(slice(a - wa, b - wa) for (a, b), (wa, _) in zip(region, within))]
+
+
+def _messages(slices: list) -> list[list]:
+    """A bucket's slices cut into messages: each large slice alone, each run of small ones together."""
+    messages: list[list] = []
+    run: list = []
+    for piece in slices:
+        if _numel(piece[1]) < DIRECT_MIN_ELEMS:
+            run.append(piece)
+            continue
+        if run:
+            messages.append(run)
+            run = []
+        messages.append([piece])
+    if run:
+        messages.append(run)
+    return messages
+
+
+def _numel(region: list[list[int]]) -> int:
+    n = 1
+    for a, b in region:
+        n *= b - a
+    return n
 
 
 def _fmt(region: Any) -> str:

@@ -1,0 +1,191 @@
+"""How close the DDMA weight-sync executor comes to raw point-to-point bandwidth, on 2 local ranks (gloo).
+
+Each case plans a trainer -> generator sync with the real planner, stores it the way a compiled job
+does (`compiler/schedule.py:_ddma`, through JSON), and times only `execute_weight_sync` (packing,
+the batched sends and receives, unpacking). Beside it, in the same run, the same bytes per
+direction go as ONE flat tensor per (sender, receiver) pair with `dist.send` / `dist.recv` (or one
+batched isend/irecv when both ranks send). GB/s = bytes crossing between the ranks / the slower
+rank's time, best of --repeat after a warm-up, the two paths taking turns. The destination is
+checked bit for bit once. Where trainer and generator share ranks, the DDMA time also includes the
+rank-local copies (column `local MB`) that the raw baseline does not make.
+
+    python benchmarks/bench_weight_sync.py [--layers 2] [--repeat 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphrl.compiler import schedule
+from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
+from graphrl.compiler.schedule import MeshRanks
+from graphrl.executors.weightsync import execute_weight_sync
+from graphrl.schemas.hardware import HARDWARE_PRESETS
+from graphrl.schemas.model import ModelDims
+
+MIB = 1 << 20
+CPU = torch.device("cpu")
+
+# (label, trainer mesh, generator mesh, bucket limit)
+CASES = [
+    ("fsdp1@0 -> tp1@1, 256 MiB buckets", MeshRanks(0, 1, 1, 1, 1, 1), MeshRanks(1, 1, 1, 1, 1, 1), 256 * MIB),
+    ("fsdp1@0 -> tp1@1, 16 MiB buckets", MeshRanks(0, 1, 1, 1, 1, 1), MeshRanks(1, 1, 1, 1, 1, 1), 16 * MIB),
+    ("fsdp2@0-1 -> tp2@0-1 (shared ranks)", MeshRanks(0, 2, 1, 2, 1, 1), MeshRanks(0, 2, 1, 1, 2, 1), 256 * MIB),
+]
+
+
+def model_dims(layers: int) -> ModelDims:
+    """~20M parameters per layer pair plus 17M of embedding and head: 78 MB in bf16 at 2 layers."""
+    return ModelDims(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_layers=layers,
+                     num_heads=16, num_kv_heads=4)
+
+
+def stored_plan(dims: ModelDims, src: MeshRanks, dst: MeshRanks, bucket_bytes: int) -> dict[str, Any]:
+    problem = SimpleNamespace(policy=SimpleNamespace(model="policy", dims=dims),
+                              hw=HARDWARE_PRESETS["h100-sxm-80gb"], per_node=8)
+    with mock.patch.object(schedule, "DDMA_BUCKET_BYTES", bucket_bytes):
+        data, _ = schedule._ddma(problem, src, dst, "bf16")
+    return json.loads(json.dumps(data))
+
+
+def mesh_of(side: dict[str, Any]) -> Mesh:
+    return Mesh.contiguous(list(side["axes"].items()), side["first"])
+
+
+def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
+    """Per function, the best over `repeat` runs (after one warm-up) of the slower rank's seconds.
+    The functions take turns, so a noisy neighbour slows both paths alike."""
+    best = [float("inf")] * len(fns)
+    for i in range(repeat + 1):
+        for k, fn in enumerate(fns):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i:
+                best[k] = min(best[k], elapsed.item())
+    return best
+
+
+def bench_case(rank: int, dims: ModelDims, data: dict[str, Any], dtype: torch.dtype, repeat: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    full = {p.name: torch.randn(p.shape, generator=gen).to(dtype) for p in llama_params(dims)}
+    src_mesh, dst_mesh = mesh_of(data["src"]), mesh_of(data["dst"])
+
+    def shards(mesh: Mesh, copy: bool) -> dict[str, tuple[torch.Tensor, Any]]:
+        if rank not in mesh:
+            return {}
+        out = {}
+        for p in llama_params(dims):
+            region = shard_bounds(p, mesh, rank)
+            piece = full[p.name][to_slices(region)]
+            out[p.name] = (piece.clone() if copy else torch.zeros_like(piece), region)
+        return out
+
+    src, dst = shards(src_mesh, True), shards(dst_mesh, False)
+
+    # Raw: the same elements per (sender, receiver) pair, one flat tensor each.
+    per_pair: dict[tuple[int, int], int] = {}
+    for round_ in data["rounds"]:
+        for b_src, b_dst, _, slices in round_:
+            n = sum(_numel(region) for _, region in slices)
+            per_pair[(b_src, b_dst)] = per_pair.get((b_src, b_dst), 0) + n
+    out_bufs = {d: torch.randn(n).to(dtype) for (s, d), n in per_pair.items() if s == rank}
+    in_bufs = {s: torch.empty(n, dtype=dtype) for (s, d), n in per_pair.items() if d == rank}
+
+    def raw() -> None:
+        if len(per_pair) == 1:
+            for peer, buf in out_bufs.items():
+                dist.send(buf, peer)
+            for peer, buf in in_bufs.items():
+                dist.recv(buf, peer)
+            return
+        ops = [dist.P2POp(dist.isend, b, p) for p, b in out_bufs.items()]
+        ops += [dist.P2POp(dist.irecv, b, p) for p, b in in_bufs.items()]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def ddma() -> None:
+        execute_weight_sync(data, rank, src, dst, CPU, CPU, wire_dtype=dtype)
+
+    ddma_s, raw_s = timed([ddma, raw], repeat)
+    ok = all(torch.equal(t, full[name][to_slices(region)]) for name, (t, region) in dst.items())
+    ok_all = torch.tensor([int(ok)])
+    dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
+    link_bytes = sum(per_pair.values()) * torch.empty(0, dtype=dtype).element_size()
+    return {"link_bytes": link_bytes, "ddma_s": ddma_s, "raw_s": raw_s, "rounds": len(data["rounds"]),
+            "buckets": data["summary"]["num_buckets"], "local_bytes": data["summary"]["local_bytes"],
+            "exact": bool(ok_all.item())}
+
+
+def _numel(region: list[list[int]]) -> int:
+    n = 1
+    for a, b in region:
+        n *= b - a
+    return n
+
+
+def rank_main(rank: int, port: int, args: argparse.Namespace, plans: list[tuple[str, dict]], out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    dims = model_dims(args.layers)
+    for label, data in plans:
+        row = bench_case(rank, dims, data, torch.bfloat16, args.repeat)
+        if rank == 0:
+            out.put({"case": label, **row})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the benchmark model")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per path; the best is kept")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per case")
+    args = parser.parse_args()
+    dims = model_dims(args.layers)
+    model_bytes = sum(p.num_elements for p in llama_params(dims)) * 2
+    plans = [(label, stored_plan(dims, s, d, b)) for label, s, d, b in CASES]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, args, plans, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = [out.get(timeout=600) for _ in plans]
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise SystemExit(f"a rank exited with code {p.exitcode}")
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"model {model_bytes / 1e6:.0f} MB in bf16 ({args.layers} layers), 2 ranks, gloo on loopback, "
+          f"best of {args.repeat}")
+    print(f"{'case':38} {'link MB':>8} {'local MB':>8} {'rounds':>6} {'ddma ms':>8} {'ddma GB/s':>9} {'raw ms':>7} "
+          f"{'raw GB/s':>8} {'ddma/raw':>8} {'exact':>5}")
+    for r in rows:
+        gb = r["link_bytes"] / 1e9
+        print(f"{r['case']:38} {r['link_bytes'] / 1e6:>8.1f} {r['local_bytes'] / 1e6:>8.1f} {r['rounds']:>6} "
+              f"{r['ddma_s'] * 1e3:>8.1f} {gb / r['ddma_s']:>9.2f} {r['raw_s'] * 1e3:>7.1f} {gb / r['raw_s']:>8.2f} "
+              f"{r['raw_s'] / r['ddma_s']:>8.2f} {str(r['exact']):>5}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""DDMA weight sync on real ranks: plans from the real planner, stored the way `compiler/schedule.py`
+stores them, executed by `executors/weightsync.py` over gloo between processes on this machine.
+
+Every case moves weights between DIFFERENT layouts (fsdp / tp / dp / pp, disjoint or shared ranks).
+Each rank builds the full reference tensors from one seed, cuts the source shards it holds, fills
+its destination shards with NaN (a region nobody writes can never compare equal), runs the sync and
+checks every destination shard against the full tensor's region bit for bit. The ranks of one world
+size run all their cases in one process group, so there is one spawn per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphrl.compiler import schedule
+from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
+from graphrl.compiler.schedule import MeshRanks
+from graphrl.errors import RunError
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.weightsync import DIRECT_MIN_ELEMS, execute_weight_sync, run_weight_sync
+from graphrl.schemas.hardware import HARDWARE_PRESETS
+from graphrl.schemas.model import ModelDims
+
+pytestmark = pytest.mark.slow
+
+# Vocab 30 splits unevenly 4 ways (8, 8, 7, 7) and 3 layers unevenly over 2 pp stages.
+DIMS = ModelDims(vocab_size=30, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2)
+TIED = DIMS.model_copy(update={"tie_embeddings": True})
+# Slices of DIRECT_MIN_ELEMS and more: they go as messages of their own, from and into the shards.
+BIG = ModelDims(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=1, num_heads=4, num_kv_heads=2)
+SEED = 1234
+TIMEOUT_S = 20  # per collective: a rank that fails leaves its peers blocked this long at most
+WORLD_DEADLINE_S = 120
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    world: int
+    src: MeshRanks  # trainer: dp x fsdp x tp x pp
+    dst: MeshRanks  # generator: dp x tp
+    dst_dtype: torch.dtype = torch.float32
+    bucket_bytes: int = schedule.DDMA_BUCKET_BYTES
+    module: bool = False  # whole Llama modules through run_weight_sync instead of shards
+    dims: ModelDims = DIMS
+    has_local: bool = False  # the plan keeps some bytes rank-locally
+    has_direct: bool = False  # some slices are large enough to travel alone (see DIRECT_MIN_ELEMS)
+
+
+def trainer(first: int, dp: int = 1, fsdp: int = 1, tp: int = 1, pp: int = 1) -> MeshRanks:
+    return MeshRanks(first, dp * fsdp * tp * pp, dp, fsdp, tp, pp)
+
+
+def generator(first: int, dp: int = 1, tp: int = 1) -> MeshRanks:
+    return MeshRanks(first, dp * tp, dp, 1, tp, 1)
+
+
+CASES = [
+    Case("2r-fsdp1@0-to-tp1@1", 2, trainer(0), generator(1)),
+    Case("2r-fsdp1@0-to-tp1@1-bf16-small-buckets", 2, trainer(0), generator(1), torch.bfloat16, bucket_bytes=4096),
+    Case("2r-fsdp2@0-to-tp2@0-shared", 2, trainer(0, fsdp=2), generator(0, tp=2), has_local=True),
+    Case("2r-pp2@0-to-dp2@0-shared", 2, trainer(0, pp=2), generator(0, dp=2), torch.bfloat16, has_local=True),
+    Case("2r-module-fsdp1@0-to-tp1@1", 2, trainer(0), generator(1), module=True),
+    Case("2r-module-tied-fsdp1@1-to-tp1@0", 2, trainer(1), generator(0), module=True, dims=TIED),
+    Case("2r-big-fsdp1@0-to-tp1@1", 2, trainer(0), generator(1), dims=BIG, has_direct=True),
+    Case("2r-big-fsdp1@0-to-tp1@1-bf16", 2, trainer(0), generator(1), torch.bfloat16, dims=BIG, has_direct=True),
+    # Column blocks of a full down_proj: large and not contiguous in the sender's tensor, then the receiver's.
+    Case("4r-big-fsdp1@0-to-tp2@2", 4, trainer(0), generator(2, tp=2), dims=BIG, has_direct=True),
+    Case("4r-big-tp2@0-to-tp1@2", 4, trainer(0, tp=2), generator(2), dims=BIG, has_direct=True),
+    Case("4r-big-fsdp2@0-to-tp2@2-bf16", 4, trainer(0, fsdp=2), generator(2, tp=2), torch.bfloat16, dims=BIG,
+         has_direct=True),
+    Case("4r-fsdp2@0-to-tp2@2", 4, trainer(0, fsdp=2), generator(2, tp=2)),
+    Case("4r-dp1.fsdp2@2-to-dp2@0", 4, trainer(2, dp=1, fsdp=2), generator(0, dp=2), torch.bfloat16),
+    Case("4r-fsdp4@0-to-dp2.tp2@0-shared", 4, trainer(0, fsdp=4), generator(0, dp=2, tp=2), has_local=True),
+    Case("4r-dp2.fsdp2@0-to-tp4@0-bf16-small-buckets", 4, trainer(0, dp=2, fsdp=2), generator(0, tp=4),
+         torch.bfloat16, bucket_bytes=2048, has_local=True),
+]
+
+
+def stored_plan(case: Case) -> dict[str, Any]:
+    """The plan exactly as a compiled job stores it: `schedule._ddma`'s dict, through JSON."""
+    problem = SimpleNamespace(policy=SimpleNamespace(model="policy", dims=case.dims),
+                              hw=HARDWARE_PRESETS["h100-sxm-80gb"], per_node=8)
+    with mock.patch.object(schedule, "DDMA_BUCKET_BYTES", case.bucket_bytes):
+        data, _ = schedule._ddma(problem, case.src, case.dst, "bf16")
+    return json.loads(json.dumps(data))
+
+
+def stored_mesh(side: dict[str, Any]) -> Mesh:
+    """A mesh from the plan's own description of it (axes in the order `_ddma` built it)."""
+    return Mesh.contiguous(list(side["axes"].items()), side["first"])
+
+
+def full_tensors(dims: ModelDims) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(SEED)
+    return {p.name: torch.randn(p.shape, generator=gen) for p in llama_params(dims)}
+
+
+def shards(dims: ModelDims, full: dict[str, torch.Tensor], mesh: Mesh, rank: int, dtype: torch.dtype | None):
+    """This rank's shards under `mesh`: copies of the full tensors' regions, or NaN-filled when `dtype` is given."""
+    out = {}
+    if rank not in mesh:
+        return out
+    for p in llama_params(dims):
+        region = shard_bounds(p, mesh, rank)
+        if region is None:  # another pp stage's parameter
+            continue
+        piece = full[p.name][to_slices(region)]
+        out[p.name] = (piece.clone() if dtype is None else torch.full(piece.shape, float("nan"), dtype=dtype), region)
+    return out
+
+
+# --- what each rank runs ----------------------------------------------------------------------
+
+
+def run_shard_case(rank: int, case: Case, data: dict[str, Any]) -> int:
+    full = full_tensors(case.dims)
+    src = shards(case.dims, full, stored_mesh(data["src"]), rank, None)
+    dst = shards(case.dims, full, stored_mesh(data["dst"]), rank, case.dst_dtype)
+    cpu = torch.device("cpu")
+    execute_weight_sync(data, rank, src, dst, cpu, cpu, wire_dtype=torch.float32)
+    bad = [f"{name}{list(region)}" for name, (got, region) in dst.items()
+           if not torch.equal(got, full[name][to_slices(region)].to(case.dst_dtype))]
+    if bad:
+        raise AssertionError(f"{len(bad)} of {len(dst)} destination shards differ: {bad[:6]}")
+    return len(dst)
+
+
+def run_module_case(rank: int, case: Case, data: dict[str, Any]) -> int:
+    torch.manual_seed(SEED)
+    reference = Llama(case.dims)
+    src = reference if rank in stored_mesh(data["src"]) else None
+    dst = None
+    if rank in stored_mesh(data["dst"]):
+        dst = Llama(case.dims)
+        with torch.no_grad():
+            for p in dst.parameters():
+                p.fill_(float("nan"))
+    run_weight_sync(data, rank, src, dst, SimpleNamespace(comm_device=torch.device("cpu"), device=torch.device("cpu")))
+    if dst is None:
+        return 0
+    want = dict(reference.named_parameters())
+    bad = [name for name, p in dst.named_parameters() if not torch.equal(p, want[name])]
+    if bad:
+        raise AssertionError(f"parameters differ after the sync: {bad[:6]}")
+    return len(want)
+
+
+def rank_main(rank: int, world: int, port: int, plans: list[tuple[Case, dict[str, Any]]], out: Any) -> None:
+    """One rank: every case in order; a report (rank, case name, error text or None, shards checked) per case."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    except Exception:
+        out.put((rank, None, traceback.format_exc(), 0))
+        return
+    for case, data in plans:
+        try:
+            checked = (run_module_case if case.module else run_shard_case)(rank, case, data)
+            out.put((rank, case.name, None, checked))
+        except BaseException:
+            out.put((rank, case.name, traceback.format_exc(), 0))
+        try:
+            dist.barrier()  # the next case starts together, whatever happened in this one
+        except Exception:
+            out.put((rank, None, traceback.format_exc(), 0))
+            return
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_world(world: int) -> dict[str | None, dict[int, tuple[str | None, int]]]:
+    """Run every case of `world` ranks; {case name (None: the world itself) -> {rank -> (error, checked)}}."""
+    plans = [(case, stored_plan(case)) for case in CASES if case.world == world]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, plans, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports: dict[str | None, dict[int, tuple[str | None, int]]] = {}
+    expected = world * len(plans)
+    got = 0
+    deadline = time.monotonic() + WORLD_DEADLINE_S
+    while got < expected and time.monotonic() < deadline:
+        try:
+            rank, name, err, checked = out.get(timeout=1.0)
+        except queue_mod.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        reports.setdefault(name, {})[rank] = (err, checked)
+        got += name is not None
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for r, p in enumerate(procs):
+        if p.exitcode != 0:
+            reports.setdefault(None, {}).setdefault(r, (f"exit code {p.exitcode}", 0))
+    return reports
+
+
+@pytest.fixture(scope="module")
+def world_reports():
+    cache: dict[int, dict] = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            cache[world] = spawn_world(world)
+        return cache[world]
+
+    return get
+
+
+def expected_checks(case: Case, data: dict[str, Any]) -> int:
+    mesh = stored_mesh(data["dst"])
+    params = llama_params(case.dims)
+    if case.module:
+        return mesh.num_ranks * len(params)
+    return sum(shard_bounds(p, mesh, r) is not None for p in params for r in mesh.ranks())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_destination_shards_equal_the_full_tensors_bit_for_bit(case: Case, world_reports) -> None:
+    data = stored_plan(case)
+    assert bool(data["local"]) == case.has_local  # the case covers the paths it names
+    slices = [region for round_ in data["rounds"] for *_, pieces in round_ for _, region in pieces]
+    assert any(math.prod(b - a for a, b in r) >= DIRECT_MIN_ELEMS for r in slices) == case.has_direct
+    assert data["rounds"], "a case with nothing on the wire tests nothing"
+    reports = world_reports(case.world)
+    mine = reports.get(case.name, {})
+    problems = [f"rank {r}: {err}" for r, (err, _) in sorted(mine.items()) if err]
+    problems += [f"rank {r}: never reported" for r in range(case.world) if r not in mine]
+    # The world's own failures (init, a barrier after some case failed) last, one line each.
+    problems += [f"rank {r} (world): {err.strip().splitlines()[-1]}"
+                 for r, (err, _) in sorted(reports.get(None, {}).items())]
+    assert not problems, "\n".join(problems)
+    assert sum(checked for _, checked in mine.values()) == expected_checks(case, data)
+
+
+def test_small_buckets_make_several_rounds() -> None:
+    """The small-bucket cases must really cut slices over several rounds, or they cover nothing more."""
+    for case in CASES:
+        if case.bucket_bytes < 1 << 20:
+            assert len(stored_plan(case)["rounds"]) > 5, case.name
+
+
+# --- refusals, on one process: they happen before anything is sent -------------------------------
+
+
+def test_a_shard_that_misses_the_planned_region_is_refused() -> None:
+    """A rank whose shard does not cover a slice the plan sends from it must say so, not send garbage."""
+    case = CASES[0]
+    data = stored_plan(case)
+    full = full_tensors(DIMS)
+    src = shards(DIMS, full, stored_mesh(data["src"]), 0, None)
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensor, ((a, b), cols) = src[name]
+    src[name] = (tensor[: (b - a) // 2], ((a, a + (b - a) // 2), cols))
+    cpu = torch.device("cpu")
+    with pytest.raises(RunError, match="up_proj.weight.*outside the shard"):
+        execute_weight_sync(data, 0, src, {}, cpu, cpu, wire_dtype=torch.float32)
+
+
+def test_a_source_shard_of_another_dtype_than_the_wire_is_refused() -> None:
+    case = CASES[0]
+    data = stored_plan(case)
+    src = shards(DIMS, full_tensors(DIMS), stored_mesh(data["src"]), 0, None)
+    src = {k: (t.to(torch.bfloat16), r) for k, (t, r) in src.items()}
+    cpu = torch.device("cpu")
+    with pytest.raises(RunError, match="wire dtype"):
+        execute_weight_sync(data, 0, src, {}, cpu, cpu, wire_dtype=torch.float32)
