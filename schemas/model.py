@@ -59,6 +59,11 @@ MODEL_PRESETS: dict[str, ModelDims] = {
         vocab_size=16, hidden_size=64, intermediate_size=176, num_layers=2,
         num_heads=4, num_kv_heads=2, max_seq_len=64, rope_theta=10000.0,
     ),
+    # The same with a tied output head: it keeps every digit reachable under GRPO (tuned recipe).
+    "tiny-digits-tied": ModelDims(
+        vocab_size=16, hidden_size=64, intermediate_size=176, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_seq_len=64, rope_theta=10000.0, tie_embeddings=True,
+    ),
     "tiny-digits-wide": ModelDims(
         vocab_size=16, hidden_size=128, intermediate_size=352, num_layers=3,
         num_heads=4, num_kv_heads=2, max_seq_len=64, rope_theta=10000.0,
