@@ -53,9 +53,10 @@ def test_python_job_equals_yaml_job() -> None:
 def test_python_job_differs_when_the_yaml_does() -> None:
     """The equality above is not vacuous: one changed setting makes the specs differ."""
     built = runpy.run_path(str(EXAMPLES / "grpo_tiny.py"))["build_job"]()
-    text = (EXAMPLES / "grpo_tiny.yaml").read_text().replace("samples_per_prompt: 8", "samples_per_prompt: 4")
+    text = (EXAMPLES / "grpo_tiny.yaml").read_text().replace("samples_per_prompt: 16", "samples_per_prompt: 4")
     from graphrl.loader import load_job_text
 
+    assert "samples_per_prompt: 4" in text
     assert built != load_job_text(text).spec
 
 
