@@ -5,7 +5,9 @@
 1. The same job on 2 CPU ranks with the colocated-synchronous plan and with the disaggregated-
    asynchronous plan (AIPO): measured seconds per step of each and the ratio, beside the simulator's
    prediction of both and its error.
-2. Executor overhead: the job compiled for 1 rank and run by graphrl, against a hand-written
+2. Profiling overhead: the colocated plan profiled (CPU activity, `--profile`) against unprofiled;
+   target ratio <= 1.15.
+3. Executor overhead: the job compiled for 1 rank and run by graphrl, against a hand-written
    single-process loop doing the same computation (same model, batch, sampling and update); target
    ratio <= 1.05.
 
@@ -53,12 +55,17 @@ def measured_step_s(run_dir: Path) -> float:
     return statistics.median(r["step_time_s"] for r in rows[WARMUP:])
 
 
-def run_plan(job: LoadedJob, cluster: str, out: Path) -> tuple[float, float]:
+def run_plan(job: LoadedJob, cluster: str, out: Path, profile: Path | None = None) -> tuple[float, float]:
     graph = compile_graph(job, job_cluster(job, cluster))
     plan = plan_of(graph, job_cluster(job, cluster))
     problem = graph["placement"]["problem"]
     predicted = run_programs(plan.programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
-    launch_local(plan, out)
+    settings = None
+    if profile is not None:
+        from graphrl.executors.profiling import ProfileSettings
+
+        settings = ProfileSettings(profile)
+    launch_local(plan, out, profile=settings)
     return measured_step_s(out), predicted
 
 
@@ -112,6 +119,11 @@ def main() -> int:
         for name, meas, pred in (("colocated, synchronous", c_meas, c_pred), ("disaggregated, asynchronous", d_meas, d_pred)):
             print(f"{name:<34} {meas:16.4f} {pred:10.4f} {100 * (pred - meas) / meas:+6.0f}%")
         print(f"ratio colocated / disaggregated: measured {c_meas / d_meas:.2f}x, predicted {c_pred / d_pred:.2f}x\n")
+
+        p_meas, _ = run_plan(colocated, "local-cpu-2", tmp / "profiled", profile=tmp / "prof")
+        ratio = p_meas / c_meas
+        print(f"profiling overhead: {p_meas:.4f} vs {c_meas:.4f} s/step, ratio {ratio:.3f} (target <= 1.15) "
+              f"{'PASS' if ratio <= 1.15 else 'FAIL'}\n")
 
         one_rank = with_overrides(load_job(ROOT / "examples" / "grpo_tiny.yaml"), **{"schedule.steps": args.steps})
         e_meas, _ = run_plan(one_rank, "local-cpu-1", tmp / "one")
