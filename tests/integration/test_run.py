@@ -75,7 +75,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
     """A run stopped after step 2 and resumed from its checkpoint must produce exactly the metrics of an
     uninterrupted run: prompts and samples are seeded per step, and the checkpoint holds the weights
     and the optimizer state."""
-    job = job_file(tmp_path, "grpo_tiny.yaml", **{"  steps: 150": "  steps: 6\n  checkpoint_every: 3"})
+    job = job_file(tmp_path, "grpo_tiny.yaml", **{"  steps: 400": "  steps: 6\n  checkpoint_every: 3"})
     runner = CliRunner()
     full, part = tmp_path / "full", tmp_path / "part"
     assert runner.invoke(main, ["run", str(job), "--out", str(full), "-q"]).exit_code == 0
@@ -88,7 +88,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
 
 def _faulty_job(tmp_path: Path, fn: str) -> Path:
     return job_file(tmp_path, "grpo_tiny.yaml", **{"fn: digits_copy": f"fn: faulty_rewards:{fn}",
-                                                   "  steps: 150": "  steps: 8\n  checkpoint_every: 1"})
+                                                   "  steps: 400": "  steps: 8\n  checkpoint_every: 1"})
 
 
 def _run_subprocess(job: Path, out_dir: Path) -> tuple[int, str, float]:
