@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from graphrl.ir import JobGraph
-from graphrl.schemas.plan import StepEstimate
 
 from graphrl.compiler import cost
 from graphrl.compiler.passes import CompileContext, compiler_pass
@@ -96,4 +95,4 @@ def verify(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     return graph.with_attr("verified", MappingProxyType({"peak_bytes": peak}))
 
 
-__all__ = ["StepEstimate", "annotate_costs", "place", "schedule", "verify"]
+__all__ = ["annotate_costs", "place", "schedule", "verify"]

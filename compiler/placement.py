@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Literal
+from typing import Literal
 
 from graphrl.errors import PlacementError
 from graphrl.ir import JobGraph
@@ -774,7 +774,3 @@ def summaries(result: SearchResult, limit: int = 200) -> list[CandidateSummary]:
     for e in (firsts + rest)[: limit - len(out)]:
         out.append(CandidateSummary(label=e.label, strategy=e.strategy, fits=False, reason=e.reason))
     return out
-
-
-def iter_labels(evs: Iterable[Evaluated]) -> list[str]:
-    return [e.label for e in evs]

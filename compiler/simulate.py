@@ -94,7 +94,6 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
     spans: list[Span] = []
     flows: list[tuple[int, int, float, float]] = []
     trace = timed and trace_ranks is not None
-    dur_cache: dict[tuple, float] = {}
 
     def duration(ins: Instruction) -> float:
         if isinstance(ins, (Offload, Onload)):

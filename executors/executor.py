@@ -12,7 +12,6 @@ arrive in pieces (from one or several generator replicas) and are joined when a 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from graphrl.tasks import EOS, PAD, REWARDS, TASKS, resolve_callable
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.outputs import MetricsWriter, save_checkpoint
-from graphrl.executors.parallel import full_state_dict, is_sharded, wrap_trainer
+from graphrl.executors.parallel import full_state_dict, wrap_trainer
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import Runtime
 from graphrl.executors.weightsync import run_weight_sync
@@ -508,4 +507,4 @@ def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,
     RankExecutor(plan, runtime, out_dir, start_step=start_step, resume_state=resume_state, profile=profile).run()
 
 
-__all__ = ["RankExecutor", "run_rank", "math"]
+__all__ = ["RankExecutor", "run_rank"]

@@ -73,7 +73,3 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         out[name] = full.detach()
     return out
-
-
-def is_sharded(model: nn.Module) -> bool:
-    return any(hasattr(p, "full_tensor") for p in model.parameters())

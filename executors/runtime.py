@@ -70,23 +70,6 @@ class Runtime:
         dist.recv(buffer, peer)
 
     # -- training ----------------------------------------------------------------------------------
-    def average_gradients(self, module: nn.Module, group_name: str) -> None:
-        """Data-parallel gradient averaging: one flat all-reduce of every gradient over the group."""
-        group = self.group(group_name)
-        if group is None:
-            return
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.comm_device)
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
-
     def move_state(self, role: Any, state: tuple[str, ...], *, to_host: bool) -> None:
         """Offload (to_host) or onload a role's weights, gradients or optimizer state.
 

@@ -9,7 +9,6 @@ violations are plain assertions or `InternalError`, never this type.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 FieldPath = tuple[str | int, ...]
@@ -108,7 +107,3 @@ class RunError(GraphRLError):
 
 class InternalError(Exception):
     """A bug in graphrl: an invariant of ours was broken. Not the user's fault."""
-
-
-def source_file(path: str | Path | None) -> str | None:
-    return None if path is None else str(path)
