@@ -56,6 +56,28 @@ ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+Piece = tuple[int, int, dict[str, Tensor]]
+
+
+def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tensor] | None, int]:
+    """Responses [lo, hi) of one step joined from the pieces (start, stop, fields) a rank holds, and
+    how far they reach: (None, reach) when a gap leaves part of the range missing."""
+    parts, cursor = [], lo
+    for a, b, data in sorted(pieces, key=lambda p: p[0]):
+        if b <= cursor or a >= hi:
+            continue
+        if a > cursor:
+            break
+        take = slice(cursor - a, min(b, hi) - a)
+        parts.append({k: v[take] for k, v in data.items() if k != "version"} | {"version": data["version"]})
+        cursor = min(b, hi)
+    if cursor < hi:
+        return None, cursor
+    out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
+    out["version"] = torch.tensor([max(int(p["version"].item()) for p in parts)])
+    return out, cursor
+
+
 @dataclass
 class RoleState:
     """One role on this rank: its module, its trainable wrapper and optimizer, its weight version."""
@@ -103,7 +125,7 @@ class RankExecutor:
         self.seed = plan.job.run.seed
         self.start_step = start_step
         self.values: dict[tuple[int, str, str], Any] = {}
-        self.pieces: dict[int, list[tuple[int, int, dict[str, Tensor]]]] = {}
+        self.pieces: dict[int, list[Piece]] = {}
         self.stats: dict[int, StepStats] = {}
         self.step_started: dict[int, float] = {}
         self.last_train_end = time.perf_counter()
@@ -225,23 +247,11 @@ class RankExecutor:
 
     # -- data --------------------------------------------------------------------------------------
     def rollouts(self, step: int, lo: int, hi: int, ins: Instruction) -> dict[str, Tensor]:
-        pieces = sorted(self.pieces.get(step, []), key=lambda p: p[0])
-        parts, cursor = [], lo
-        for a, b, data in pieces:
-            if b <= cursor or a >= hi:
-                continue
-            if a > cursor:
-                break
-            take = slice(cursor - a, min(b, hi) - a)
-            parts.append({k: v[take] for k, v in data.items() if k != "version"} | {"version": data["version"]})
-            cursor = min(b, hi)
-        if cursor < hi:
+        joined, cursor = join_rollouts(self.pieces.get(step, []), lo, hi)
+        if joined is None:
             raise self.fail(ins, f"expected rollouts of step {step} for responses [{lo}:{hi}) but holds only up to "
                                  f"{cursor} (a receive is missing)")
-        versions = {int(p["version"].item()) for p in parts}
-        out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
-        out["version"] = torch.tensor([max(versions)])
-        return out
+        return joined
 
     def read(self, ins: Instruction, port: str) -> Any:
         node = getattr(ins, "node")
@@ -507,4 +517,4 @@ def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,
     RankExecutor(plan, runtime, out_dir, start_step=start_step, resume_state=resume_state, profile=profile).run()
 
 
-__all__ = ["RankExecutor", "run_rank"]
+__all__ = ["RankExecutor", "join_rollouts", "run_rank"]

@@ -1,0 +1,30 @@
+"""The executor joins a step's rollout pieces (from one or several generator replicas) into the range
+a consumer reads."""
+
+from __future__ import annotations
+
+import torch
+
+from graphrl.executors.executor import ROLLOUT_FIELDS, join_rollouts
+
+
+def _piece(start: int, stop: int, version: int) -> tuple[int, int, dict[str, torch.Tensor]]:
+    n = stop - start
+    rows = torch.arange(start, stop)
+    data = {name: rows[:, None].expand(n, 3).clone() for name in ROLLOUT_FIELDS}
+    data["version"] = torch.tensor([version])
+    return start, stop, data
+
+
+def test_pieces_out_of_order_join_into_the_requested_range():
+    pieces = [_piece(8, 16, 3), _piece(0, 8, 2)]
+    out, reach = join_rollouts(pieces, 4, 12)
+    assert out is not None and reach == 12
+    for name in ROLLOUT_FIELDS:
+        assert out[name][:, 0].tolist() == list(range(4, 12))
+    assert int(out["version"]) == 3  # the newest weights that produced any of the responses
+
+
+def test_a_gap_reports_how_far_the_pieces_reach():
+    out, reach = join_rollouts([_piece(0, 4, 0), _piece(8, 12, 0)], 0, 12)
+    assert out is None and reach == 4
