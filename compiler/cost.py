@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from graphrl.errors import GraphRLError
-from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.hardware import CollectiveFit, HardwareSpec
 from graphrl.schemas.model import ModelDims
 
 Precision = Literal["bf16", "fp8"]
@@ -192,13 +192,18 @@ def collective_time(
     - all_reduce = reduce_scatter + all_gather:              2(n-1)/n * bytes/bw + 2(n-1)*alpha
     - broadcast, pipelined along a chain in small chunks:    bytes/bw + (n-1)*alpha
     - p2p:                                                   bytes/bw + alpha
-    A group of one device costs nothing.
+    A group of one device costs nothing. Within a node, a calibrated `hw.collectives` fit of this kind
+    (`measured_collective`) replaces bw and alpha.
     """
     n = group_size
     if n <= 1:
         return 0.0
-    bw = (hw.inter_node_bandwidth if spans_nodes else hw.intra_node_bandwidth) * hw.link_efficiency
-    alpha = hw.link_latency_s
+    fit = None if spans_nodes else measured_collective(hw, kind, n)
+    if fit is not None:
+        bw, alpha = fit.bus_bandwidth, fit.latency_s
+    else:
+        bw = (hw.inter_node_bandwidth if spans_nodes else hw.intra_node_bandwidth) * hw.link_efficiency
+        alpha = hw.link_latency_s
     if kind == "all_reduce":
         return 2 * (n - 1) * (num_bytes / (n * bw) + alpha)
     if kind == "all_gather" or kind == "reduce_scatter":
@@ -210,6 +215,18 @@ def collective_time(
     raise ValueError(
         f"unknown collective {kind!r}; expected all_gather, reduce_scatter, all_reduce, broadcast or p2p"
     )
+
+
+def measured_collective(hw: HardwareSpec, kind: str, group_size: int) -> CollectiveFit | None:
+    """The calibrated fit of `kind` for `group_size` ranks: the exact size, else the largest measured
+    size below it, else the smallest above it; None when `kind` was not measured."""
+    fits = [f for f in hw.collectives if f.kind == kind]
+    if not fits:
+        return None
+    below = [f for f in fits if f.group_size <= group_size]
+    if below:
+        return max(below, key=lambda f: f.group_size)
+    return min(fits, key=lambda f: f.group_size)
 
 
 def group_spans_nodes(devices: Sequence[int], devices_per_node: int) -> bool:
@@ -355,15 +372,18 @@ def generation_time(
     prefill += _tp_allreduce_per_pass(dims, batch * prompt_len, tp, hw, spans_nodes)
 
     steps = response_len - 1
+    per_pass_host = dims.num_layers * hw.layer_overhead_s + hw.pass_overhead_s
     if steps <= 0:
-        return prefill + dims.num_layers * hw.layer_overhead_s
+        return prefill + per_pass_host + batch * dims.num_layers * hw.decode_token_overhead_s
     a_c, b_c, a_m, b_m = _decode_coefficients(
         dims, batch, tp, bytes_per_param, kv_bytes_per_elem, hw, peak
     )
     decode = _sum_max_linear(a_c, b_c, a_m, b_m, prompt_len + 1, prompt_len + steps)
     decode += steps * _tp_allreduce_per_pass(dims, batch, tp, hw, spans_nodes)
-    # Host time: one pass through every layer for the prefill and for each decode step.
-    return prefill + decode + (1 + steps) * dims.num_layers * hw.layer_overhead_s
+    # Host time: one pass through the model for the prefill and for each decode step, and the
+    # per-token work of every generated token in every layer.
+    per_token_host = batch * response_len * dims.num_layers * hw.decode_token_overhead_s
+    return prefill + decode + (1 + steps) * per_pass_host + per_token_host
 
 
 # --------------------------------------------------------------------------------------------------
@@ -679,9 +699,10 @@ def training_step_time(
     critical = compute + tp_comm + pp_comm
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_dp
-    # Host time: a forward, a backward (about two passes' worth of kernels) and, with recompute, one
-    # more forward, through this stage's layers, per micro-batch.
-    host = m * (4 if recompute else 3) * layers_per_stage * hw.layer_overhead_s
+    # Host time per micro-batch: forward, backward and update of this stage's layers (with recompute,
+    # one more forward through them), and the loss and optimizer work outside the layers.
+    per_layer = hw.train_layer_overhead_s + (hw.layer_overhead_s if recompute else 0.0)
+    host = m * (layers_per_stage * per_layer + hw.train_pass_overhead_s)
     return StepCost(
         compute_s=compute + host, comm_s=tp_comm + pp_comm + overlappable + not_overlappable,
         exposed_comm_s=exposed, bubble_s=bubble, total_s=compute + host + exposed + bubble,
@@ -743,7 +764,7 @@ def forward_time(
     critical = compute + tp_comm + pp_comm
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_gather
-    host = m * layers_per_stage * hw.layer_overhead_s
+    host = m * (layers_per_stage * hw.layer_overhead_s + hw.pass_overhead_s)
     return StepCost(
         compute_s=compute + host, comm_s=tp_comm + pp_comm + gather, exposed_comm_s=exposed, bubble_s=bubble,
         total_s=compute + host + exposed + bubble,

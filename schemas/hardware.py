@@ -18,6 +18,22 @@ GiB = 2**30
 TFLOPS = 1e12
 
 
+MeasuredCollective = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+
+
+class CollectiveFit(Frozen):
+    """One collective measured on one node for one group size, as ring-model figures.
+
+    The cost model's ring formulas give a collective's time from a bus bandwidth and a per-step
+    latency; a fit stores the pair that reproduces the measured times of this kind and group size.
+    """
+
+    kind: MeasuredCollective = Field(description="Which collective was measured.")
+    group_size: int = Field(ge=2, description="Number of ranks in the measured group.")
+    bus_bandwidth: float = Field(gt=0, description="Ring-model link bandwidth that fits the measurement, bytes/s.")
+    latency_s: float = Field(ge=0, description="Ring-model latency per step that fits the measurement, seconds.")
+
+
 class HardwareSpec(Frozen):
     """One kind of device and the links between devices."""
 
@@ -53,8 +69,33 @@ class HardwareSpec(Frozen):
     )
     layer_overhead_s: float = Field(
         default=0.0, ge=0,
-        description="Fixed host time per transformer layer per forward or backward pass (kernel launches, "
-                    "dispatch), seconds; dominant for tiny models on CPU, negligible for large ones on GPUs.",
+        description="Fixed host time per transformer layer per forward pass (kernel launches, dispatch), "
+                    "seconds; dominant for tiny models on CPU, negligible for large ones on GPUs.",
+    )
+    pass_overhead_s: float = Field(
+        default=0.0, ge=0,
+        description="Fixed host time per forward pass outside the layers (embedding, final norm, output head, "
+                    "sampling or log-softmax), seconds.",
+    )
+    decode_token_overhead_s: float = Field(
+        default=0.0, ge=0,
+        description="Host time per generated token per transformer layer beyond its FLOPs (KV-cache append, "
+                    "per-sequence bookkeeping), seconds; visible on CPUs, negligible on GPUs.",
+    )
+    train_layer_overhead_s: float = Field(
+        default=0.0, ge=0,
+        description="Fixed host time per transformer layer per training micro-batch: its forward, backward and "
+                    "optimizer update, seconds.",
+    )
+    train_pass_overhead_s: float = Field(
+        default=0.0, ge=0,
+        description="Fixed host time per training micro-batch outside the layers (loss, gradient clipping, "
+                    "optimizer bookkeeping), seconds.",
+    )
+    collectives: tuple[CollectiveFit, ...] = Field(
+        default=(),
+        description="Measured collectives within one node (from `graphrl calibrate`); the cost model uses the "
+                    "fit of the nearest measured group size and falls back to the link figures without one.",
     )
     reserved_memory_fraction: float = Field(
         default=0.1, ge=0, lt=1, description="Device memory kept free for the allocator, workspace and fragmentation."
@@ -84,13 +125,15 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         memory_bytes=80 * GB, memory_bandwidth=2.039e12, intra_node_bandwidth=300 * GB,
         inter_node_bandwidth=25 * GB, host_link_bandwidth=25 * GB,
     ),
-    # Uncalibrated defaults for a laptop-class CPU "device" (one rank = one process). `graphrl
-    # calibrate` replaces these with measured figures; plans stay deterministic either way.
+    # Defaults for a CPU "device" (one rank = one process, one thread), rounded from `graphrl calibrate`
+    # on a 2-core x86-64 cloud VM; a calibration file replaces them with this machine's figures. Plans
+    # stay deterministic either way.
     "cpu-local": HardwareSpec(
-        name="cpu-local", kind="cpu", peak_bf16_flops=50e9, peak_fp8_flops=0.0,
-        memory_bytes=4 * GiB, memory_bandwidth=10 * GB, intra_node_bandwidth=2 * GB,
-        inter_node_bandwidth=1 * GB, host_link_bandwidth=10 * GB, link_latency_s=50e-6,
-        compute_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0, op_overhead_s=1e-3, layer_overhead_s=2e-4,
-        reserved_memory_fraction=0.0,
+        name="cpu-local", kind="cpu", peak_bf16_flops=90e9, peak_fp8_flops=0.0,
+        memory_bytes=4 * GiB, memory_bandwidth=12 * GB, intra_node_bandwidth=2 * GB,
+        inter_node_bandwidth=1 * GB, host_link_bandwidth=12 * GB, link_latency_s=200e-6,
+        compute_efficiency=0.35, memory_efficiency=1.0, link_efficiency=1.0, op_overhead_s=140e-6,
+        layer_overhead_s=400e-6, pass_overhead_s=500e-6, decode_token_overhead_s=1.7e-6,
+        train_layer_overhead_s=1.6e-3, train_pass_overhead_s=2.5e-3, reserved_memory_fraction=0.0,
     ),
 }
