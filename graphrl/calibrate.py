@@ -1,28 +1,48 @@
 """`graphrl calibrate`: measure this machine and write the `cpu-local` hardware description.
 
-Measured: matmul FLOP/s by size (the largest size gives the peak; the size of a tiny model's layers
-gives the achievable fraction), memory bandwidth (large tensor copies), and gloo point-to-point
-bandwidth and latency between two local processes. The result is a `HardwareSpec` JSON file that the
-`cpu-local` preset uses from then on (see graphrl.compiler.hardware).
+Measured, one thread per process as ranks run:
+- matmul FLOP/s by size (the peak) and memory bandwidth (large tensor copies);
+- the host model: the executor's own model code (generation, a log-prob forward, a training step with
+  loss, clipping and AdamW) timed on probe models of several depths and batch sizes, then fitted to the
+  cost model's formulas, which give per-layer and per-pass host overheads and the achieved FLOP rate;
+- per-instruction overhead: the executor's rollout join with a rule reward and a GRPO advantage;
+- gloo point-to-point bandwidth and latency between two processes, and all-reduce, all-gather,
+  reduce-scatter and broadcast for every group size from 2 to N ranks, each fitted as the ring-model
+  bandwidth and latency that reproduce it.
+
+The result is a `HardwareSpec` JSON file that the `cpu-local` preset uses from then on (see
+graphrl.compiler.hardware). `fit_host_model` is a pure function of the probe timings, so it is tested
+on timings made from a known description.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import queue as queue_module
 import socket
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphrl.schemas.hardware import HARDWARE_PRESETS, HardwareSpec
+from graphrl.compiler import cost
+from graphrl.schemas.hardware import HARDWARE_PRESETS, CollectiveFit, HardwareSpec, MeasuredCollective
+from graphrl.schemas.model import MODEL_PRESETS, ModelDims
+
+Phase = Literal["generate", "forward", "train"]
+HOST_FIELDS = ("layer_overhead_s", "pass_overhead_s", "decode_token_overhead_s", "train_layer_overhead_s",
+               "train_pass_overhead_s")
+COLLECTIVES: tuple[MeasuredCollective, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+_HUGE = 1e30  # a rate so high that the term it divides vanishes
 
 
-def _best_time(fn: Callable[[], None], repeat: int = 5, min_time_s: float = 0.05) -> float:
+def _best_time(fn: Callable[[], Any], repeat: int = 5, min_time_s: float = 0.05) -> float:
     """Seconds per call: the best of `repeat` timed loops, each at least `min_time_s` long."""
     fn()
     calls = 1
@@ -56,35 +76,172 @@ def memory_bandwidth(num_bytes: int = 128 * 2**20) -> float:
     return 2 * num_bytes / _best_time(lambda: dst.copy_(src), repeat=3)  # read + write
 
 
-def layer_overhead(num_tokens: int = 4) -> float:
-    """Seconds of host time per transformer layer per pass: forward a few tokens through a narrow
-    Llama at two depths; the FLOPs are negligible, so the slope is the per-layer dispatch cost."""
-    from graphrl.executors.models.llama import Llama
-    from graphrl.schemas.model import ModelDims
-
-    def model(layers: int) -> Llama:
-        dims = ModelDims(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=2,
-                         num_kv_heads=1, max_seq_len=64, rope_theta=10000.0)
-        return Llama(dims).eval()
-
-    ids = torch.zeros(1, num_tokens, dtype=torch.int64)
-    mask = torch.ones(1, num_tokens, dtype=torch.bool)
-    shallow, deep = model(2), model(10)
-    with torch.no_grad():
-        t2 = _best_time(lambda: shallow(ids, mask))
-        t10 = _best_time(lambda: deep(ids, mask))
-    return max((t10 - t2) / 8, 0.0)
+# --------------------------------------------------------------------------------------------------
+# The host model: probes of the executor's model code, fitted to the cost model
 
 
-def instruction_overhead() -> float:
-    """Seconds of fixed host work an executed instruction costs besides its math: a rule reward over a
-    small batch, which is almost nothing but dispatch."""
+@dataclass(frozen=True)
+class Probe:
+    """One timed call of the executor's model code on a probe model."""
+
+    phase: Phase
+    dims: ModelDims
+    batch: int  # sequences
+    prompt_len: int
+    response_len: int
+    seconds: float
+
+
+def predicted_probe_s(probe: Probe, hw: HardwareSpec) -> float:
+    """The cost model's seconds for `probe` on `hw`, through the same functions placement uses (one
+    micro-batch: the whole batch in one forward, as a job without `micro_batch_size` runs)."""
+    seq_len = probe.prompt_len + probe.response_len
+    tokens = probe.batch * seq_len
+    if probe.phase == "generate":
+        return cost.generation_time(probe.dims, probe.batch, probe.prompt_len, probe.response_len, 1, "bf16", hw)
+    if probe.phase == "forward":
+        return cost.forward_time(probe.dims, tokens=tokens, seq_len=seq_len, hw=hw, microbatches=1).total_s
+    return cost.training_step_time(
+        probe.dims, tokens=tokens, seq_len=seq_len, dp=1, fsdp=1, tp=1, pp=1, sharding="none", recompute=False,
+        hw=hw, intra_node_tp=True, dp_spans_nodes=False, microbatches=1,
+    ).total_s
+
+
+def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
+    """argmin ||A x - b|| over x >= 0, exactly: the best unconstrained fit over every subset of free
+    variables whose solution is nonnegative (the host model has six unknowns, so 63 subsets)."""
+    a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(target, dtype=torch.float64)[:, None]
+    n = a.shape[1]
+    best, best_err = [0.0] * n, float(b.square().sum())
+    for k in range(1, n + 1):
+        for subset in itertools.combinations(range(n), k):
+            x = torch.linalg.lstsq(a[:, list(subset)], b).solution[:, 0]
+            if bool((x < 0).any()):
+                continue
+            err = float((a[:, list(subset)] @ x[:, None] - b).square().sum())
+            if err < best_err - 1e-18:
+                best_err, best = err, [0.0] * n
+                for i, v in zip(subset, x.tolist()):
+                    best[i] = v
+    return best
+
+
+def fit_host_model(probes: list[Probe], base: HardwareSpec) -> HardwareSpec:
+    """`base` with the host overheads and compute efficiency that best reproduce the probe timings.
+
+    Each probe's predicted time is linear in six unknowns (five host overheads and seconds per FLOP)
+    once memory traffic is negligible, as it is for small models: the basis of each unknown is the
+    cost model's prediction on a description where only that unknown is 1. The fit minimises the
+    relative error over the probes, with every unknown >= 0.
+    """
+    zero = {name: 0.0 for name in HOST_FIELDS}
+    fast = dict(zero, peak_bf16_flops=_HUGE, compute_efficiency=1.0, memory_bandwidth=_HUGE, memory_efficiency=1.0)
+    bases = [base.model_copy(update=dict(fast, **{name: 1.0})) for name in HOST_FIELDS]
+    bases.append(base.model_copy(update=dict(fast, peak_bf16_flops=1.0)))  # seconds = FLOPs
+    rows = [[predicted_probe_s(p, hw) / p.seconds for hw in bases] for p in probes]
+    x = _nonnegative_least_squares(rows, [1.0] * len(probes))
+    *overheads, seconds_per_flop = x
+    efficiency = 1.0 if seconds_per_flop <= 0 else min(1.0, 1.0 / (seconds_per_flop * base.peak_bf16_flops))
+    return base.model_copy(update=dict(zip(HOST_FIELDS, overheads), compute_efficiency=max(efficiency, 1e-3)))
+
+
+def probe_model_code(
+    dims: ModelDims = MODEL_PRESETS["tiny-digits"],
+    layers: tuple[int, ...] = (1, 4),
+    batches: tuple[int, ...] = (8, 128),
+    prompt_len: int = 6,
+    response_len: int = 5,
+) -> list[Probe]:
+    """Time generation, a log-prob forward and a training step (GRPO/PPO loss, gradient clipping,
+    AdamW) as the executor runs them, on `dims` at every depth in `layers` and batch in `batches`."""
+    from graphrl.executors import algorithms as alg
+    from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy
+    from graphrl.tasks import PAD
+
+    probes = []
+    for num_layers, batch in itertools.product(layers, batches):
+        d = dims.model_copy(update=dict(num_layers=num_layers))
+        torch.manual_seed(0)
+        model = Llama(d)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        prompt_ids = torch.randint(3, d.vocab_size, (batch, prompt_len))
+        prompt_mask = torch.ones(batch, prompt_len, dtype=torch.bool)
+
+        def gen() -> Any:
+            # eos_id -1 never occurs, so every call runs all response_len passes
+            return generate(model, prompt_ids, prompt_mask, response_len, temperature=1.0, top_p=1.0,
+                            generator=torch.Generator().manual_seed(0), eos_id=-1, pad_id=PAD)
+
+        model.eval()
+        out = gen()
+        t_gen = _best_time(gen, repeat=3)
+        advantages = torch.randn(batch, response_len)
+
+        def forward() -> None:
+            with torch.no_grad():
+                token_logprobs_and_entropy(model, prompt_ids, prompt_mask, out.response_ids, out.response_mask)
+
+        def train() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            logprobs, _ = token_logprobs_and_entropy(model, prompt_ids, prompt_mask, out.response_ids, out.response_mask)
+            loss, _ = alg.policy_loss(logprobs, out.logprobs, advantages, out.response_mask, 0.2)
+            loss.backward()
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            optimizer.step()
+            float(loss.detach())
+
+        model.train()
+        t_fwd = _best_time(forward, repeat=3)
+        t_train = _best_time(train, repeat=3)
+        for phase, seconds in (("generate", t_gen), ("forward", t_fwd), ("train", t_train)):
+            probes.append(Probe(phase, d, batch, prompt_len, response_len, seconds))  # type: ignore[arg-type]
+    return probes
+
+
+def _probe_times(rank: int, world: int) -> list[Probe]:
+    return probe_model_code()
+
+
+def probe_side_by_side(num_processes: int) -> list[Probe]:
+    """`probe_model_code` on `num_processes` local processes at once (rank 0's timings): ranks of a run
+    compute side by side, and on shared cores and caches each is slower than it would be alone."""
+    if num_processes <= 1:
+        return probe_model_code()
+    return _spawn(num_processes, _probe_times)
+
+
+def instruction_overhead(batch: int = 128, prompt_len: int = 6, response_len: int = 5, group_size: int = 16) -> float:
+    """Seconds of an executed data instruction besides model math: the executor joins the step's rollout
+    pieces, then applies a rule reward or a GRPO advantage (the mean of the two)."""
+    from graphrl.executors import algorithms as alg
+    from graphrl.executors.executor import join_rollouts
     from graphrl.tasks import REWARDS
 
-    ids = torch.randint(0, 10, (8, 6))
-    mask = torch.ones(8, 6, dtype=torch.bool)
-    fn = REWARDS["digits_copy"]
-    return _best_time(lambda: fn(ids, mask, ids[:, :5], mask[:, :5]))
+    piece = {"prompt_ids": torch.randint(0, 10, (batch, prompt_len)),
+             "prompt_mask": torch.ones(batch, prompt_len, dtype=torch.bool),
+             "response_ids": torch.randint(0, 10, (batch, response_len)),
+             "response_mask": torch.ones(batch, response_len, dtype=torch.bool),
+             "behaviour_logprobs": torch.zeros(batch, response_len), "version": torch.tensor([0])}
+    pieces = [(0, batch, piece)]
+    reward_fn = REWARDS["digits_copy"]
+
+    def reward() -> None:
+        r, _ = join_rollouts(pieces, 0, batch)
+        assert r is not None
+        float(reward_fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"]).float().sum())
+
+    rewards = torch.rand(batch)
+
+    def advantage() -> None:
+        r, _ = join_rollouts(pieces, 0, batch)
+        assert r is not None
+        alg.broadcast_to_tokens(alg.grpo_advantages(rewards, group_size), r["response_mask"]).float()
+
+    return (_best_time(reward) + _best_time(advantage)) / 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication between local processes
 
 
 def _free_port() -> int:
@@ -93,48 +250,148 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _p2p_worker(rank: int, port: int, sizes: list[int], queue) -> None:  # noqa: ANN001
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {}
+def _timed(op: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of `op` on this rank, each call started together after a barrier."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _p2p_times(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    out = {}
     for size in sizes:
         buf = torch.zeros(size // 4)
-        times = []
-        for _ in range(7):
-            dist.barrier()
-            t = time.perf_counter()
+
+        def ping_pong() -> None:
             if rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
             else:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-            times.append((time.perf_counter() - t) / 2)
-        results[size] = statistics.median(times)
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+
+        out[size] = _timed(ping_pong, repeats) / 2
+    return {"p2p": out}
 
 
-def p2p_bandwidth_latency(sizes: tuple[int, ...] = (4, 1 << 20, 16 << 20)) -> tuple[float, float]:
-    """(bytes/s, seconds) of gloo send/recv between two local processes."""
+# torch >= 2.13 names the single-tensor collectives *_single; older releases *_tensor.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective_times(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Seconds of each collective on a full buffer of `size` bytes (rounded to whole float32 shards)."""
+    out: dict[str, dict[int, float]] = {kind: {} for kind in COLLECTIVES}
+    for size in sizes:
+        shard = max(1, size // 4 // world)
+        full, part = torch.ones(shard * world), torch.ones(shard)
+        ops = {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: _ALL_GATHER(full, part),
+            "reduce_scatter": lambda: _REDUCE_SCATTER(part, full),
+            "broadcast": lambda: dist.broadcast(full, 0),
+        }
+        for kind, op in ops.items():
+            out[kind][shard * world * 4] = _timed(op, repeats)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, measure: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = measure(rank, world, *args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, measure: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> Any:
+    """Run `measure(rank, world, *args)` on `world` local gloo processes; rank 0's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_p2p_worker, args=(r, port, list(sizes), queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, measure, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = queue.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-    latency = results[sizes[0]]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                return queue.get(timeout=0.5)
+            except queue_module.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    what = f"rank {failed[0]} exited with code {procs[failed[0]].exitcode}" if failed else "timed out"
+                    raise RuntimeError(f"calibration on {world} local processes failed: {what}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def _line_fit(times: dict[int, float]) -> tuple[float, float]:
+    """(intercept s, slope s/byte) through the smallest and the largest of {bytes: seconds}: the
+    smallest buffer's time is almost all latency and the largest's almost all bandwidth, which a
+    least-squares line over sizes that span three orders of magnitude would blur."""
+    small, big = min(times), max(times)
+    slope = max((times[big] - times[small]) / max(big - small, 1), 1e-15)
+    return max(times[small] - slope * small, 0.0), slope
+
+
+# Ring-model shape of each collective over n ranks: (bandwidth factor, latency steps), so that
+# seconds = factor * bytes / bus_bandwidth + steps * latency (see cost.collective_time).
+def _ring_shape(kind: str, n: int) -> tuple[float, int]:
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n, 2 * (n - 1)
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n, n - 1
+    return 1.0, n - 1  # broadcast
+
+
+def fit_collective(kind: MeasuredCollective, group_size: int, times: dict[int, float]) -> CollectiveFit:
+    """The ring-model bandwidth and per-step latency that reproduce measured {bytes: seconds}."""
+    intercept, slope = _line_fit(times)
+    factor, steps = _ring_shape(kind, group_size)
+    return CollectiveFit(kind=kind, group_size=group_size, bus_bandwidth=factor / slope, latency_s=intercept / steps)
+
+
+def p2p_bandwidth_latency(sizes: tuple[int, ...] = (4, 1 << 20, 16 << 20), repeats: int = 7) -> tuple[float, float]:
+    """(bytes/s, seconds) of gloo send/recv between two local processes."""
+    times = _spawn(2, _p2p_times, list(sizes), repeats)["p2p"]
+    latency = times[sizes[0]]
     big = sizes[-1]
-    bandwidth = big / max(results[big] - latency, 1e-9)
-    return bandwidth, latency
+    return big / max(times[big] - latency, 1e-9), latency
 
 
-def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True) -> HardwareSpec:
+def collective_fits(
+    max_ranks: int = 4, sizes: tuple[int, ...] = (1 << 10, 4 << 20), repeats: int = 15,
+    report: Callable[[str], None] = lambda s: None,
+) -> tuple[CollectiveFit, ...]:
+    """All-reduce, all-gather, reduce-scatter and broadcast measured on 2..max_ranks local processes."""
+    fits = []
+    for n in range(2, max_ranks + 1):
+        measured = _spawn(n, _collective_times, list(sizes), repeats)
+        for kind in COLLECTIVES:
+            fit = fit_collective(kind, n, measured[kind])
+            fits.append(fit)
+            report(f"  {n} ranks {kind:<15} {fit.bus_bandwidth / 1e9:6.2f} GB/s, {fit.latency_s * 1e6:5.0f} µs per step")
+    return tuple(fits)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_ranks: int = 4) -> HardwareSpec:
+    """Measure this machine into a `cpu-local` description; `with_p2p=False` skips every multi-process
+    measurement (point-to-point and collectives keep the preset's figures)."""
     base = HARDWARE_PRESETS["cpu-local"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ranks run one thread each by default
@@ -142,28 +399,38 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True) -> H
         report("measuring matmul FLOP/s (one thread)...")
         flops = matmul_flops()
         peak = max(flops.values())
-        small = flops[min(flops)]
         for n, f in flops.items():
             report(f"  {n:>5} x {n:<5} {f / 1e9:8.2f} GFLOP/s")
         report("measuring memory bandwidth...")
         mem_bw = memory_bandwidth()
         report(f"  {mem_bw / 1e9:.2f} GB/s")
-        report("measuring per-layer and per-instruction host overheads...")
-        per_layer = layer_overhead()
+        side_by_side = min(max_ranks, os.cpu_count() or 1) if with_p2p else 1
+        report(f"timing the executor's model code on probe models ({side_by_side} process(es) side by side)...")
+        probes = probe_side_by_side(side_by_side)
+        measured = base.model_copy(update=dict(peak_bf16_flops=peak, memory_bandwidth=mem_bw, host_link_bandwidth=mem_bw))
+        fitted = fit_host_model(probes, measured)
+        for p in probes:
+            pred = predicted_probe_s(p, fitted)
+            report(f"  {p.phase:<9} {p.dims.num_layers} layers x {p.batch:>4} sequences: {p.seconds * 1e3:7.2f} ms, "
+                   f"model {pred * 1e3:7.2f} ms ({100 * (pred - p.seconds) / p.seconds:+.0f}%)")
+        report(f"  per layer: {fitted.layer_overhead_s * 1e6:.0f} µs forward, {fitted.train_layer_overhead_s * 1e6:.0f} µs "
+               f"training, {fitted.decode_token_overhead_s * 1e6:.2f} µs per generated token; per pass: "
+               f"{fitted.pass_overhead_s * 1e6:.0f} µs forward, {fitted.train_pass_overhead_s * 1e6:.0f} µs training; "
+               f"{fitted.compute_efficiency * peak / 1e9:.1f} GFLOP/s achieved")
+        report("measuring per-instruction overhead...")
         per_op = instruction_overhead()
-        report(f"  {per_layer * 1e6:.0f} µs per layer pass, {per_op * 1e6:.0f} µs per instruction")
+        report(f"  {per_op * 1e6:.0f} µs per instruction")
     finally:
         torch.set_num_threads(threads)
-    p2p_bw, latency = base.intra_node_bandwidth, base.link_latency_s
+    update: dict[str, Any] = dict(op_overhead_s=per_op)
     if with_p2p:
         report("measuring gloo point-to-point between two processes...")
         p2p_bw, latency = p2p_bandwidth_latency()
         report(f"  {p2p_bw / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} µs")
-    return base.model_copy(update=dict(
-        peak_bf16_flops=peak, memory_bandwidth=mem_bw, intra_node_bandwidth=p2p_bw, inter_node_bandwidth=p2p_bw,
-        host_link_bandwidth=mem_bw, link_latency_s=latency, compute_efficiency=min(1.0, max(small / peak, 0.05)),
-        layer_overhead_s=per_layer, op_overhead_s=per_op,
-    ))
+        update.update(intra_node_bandwidth=p2p_bw, inter_node_bandwidth=p2p_bw, link_latency_s=latency)
+        report(f"measuring gloo collectives on 2 to {max_ranks} processes...")
+        update["collectives"] = collective_fits(max_ranks, report=report)
+    return fitted.model_copy(update=update)
 
 
 def write_calibration(spec: HardwareSpec, path: Path) -> None:

@@ -197,19 +197,23 @@ def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, f
 @main.command()
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Hardware file to write (default: $GRAPHRL_CALIBRATION or ~/.cache/graphrl/cpu-local.json).")
-@click.option("--no-p2p", is_flag=True, help="Skip the two-process gloo measurement.")
-def calibrate(output: Path | None, no_p2p: bool) -> None:
-    """Measure this machine (matmul, memory, gloo point-to-point) for the cpu-local hardware preset."""
+@click.option("--no-p2p", is_flag=True, help="Skip the multi-process gloo measurements (point-to-point, collectives).")
+@click.option("--max-ranks", type=click.IntRange(2, 16), default=4, show_default=True,
+              help="Measure collectives on 2 to this many local processes.")
+def calibrate(output: Path | None, no_p2p: bool, max_ranks: int) -> None:
+    """Measure this machine (matmul, memory, the executor's model code, gloo point-to-point and collectives)
+    for the cpu-local hardware preset."""
     from graphrl.calibrate import calibrate as run_calibration, write_calibration
     from graphrl.compiler.hardware import calibration_path
 
     target = output or calibration_path()
     if target is None:
         raise click.UsageError("GRAPHRL_CALIBRATION=none disables calibration files; pass -o FILE")
-    spec = run_calibration(report=lambda s: click.echo(s, err=True), with_p2p=not no_p2p)
+    spec = run_calibration(report=lambda s: click.echo(s, err=True), with_p2p=not no_p2p, max_ranks=max_ranks)
     write_calibration(spec, target)
-    click.echo(f"wrote {target}: peak {spec.peak_bf16_flops / 1e9:.1f} GFLOP/s, memory {spec.memory_bandwidth / 1e9:.1f} GB/s, "
-               f"p2p {spec.intra_node_bandwidth / 1e9:.2f} GB/s")
+    click.echo(f"wrote {target}: peak {spec.peak_bf16_flops / 1e9:.1f} GFLOP/s "
+               f"({spec.compute_efficiency:.0%} achieved in model code), memory {spec.memory_bandwidth / 1e9:.1f} GB/s, "
+               f"p2p {spec.intra_node_bandwidth / 1e9:.2f} GB/s, {len(spec.collectives)} collective fits")
 
 
 def _load_plan_or_compile(target: str, cluster: str | None, **options):  # noqa: ANN201
