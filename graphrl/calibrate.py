@@ -300,20 +300,30 @@ def _collective_times(rank: int, world: int, sizes: list[int], repeats: int) -> 
     return out
 
 
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    error: str
+
+
 def _worker(rank: int, world: int, port: int, measure: Callable[..., Any], args: tuple, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         result = measure(rank, world, *args)
         if rank == 0:
             queue.put(result)
+    except Exception as exc:  # reported by the parent, with every other rank's error
+        queue.put(_Failure(rank, f"{type(exc).__name__}: {exc}".splitlines()[0]))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _spawn(world: int, measure: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> Any:
-    """Run `measure(rank, world, *args)` on `world` local gloo processes; rank 0's result."""
+    """Run `measure(rank, world, *args)` on `world` local gloo processes; rank 0's result. A rank's
+    error ends the measurement at once, naming every rank that failed and why."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -324,12 +334,23 @@ def _spawn(world: int, measure: Callable[..., Any], *args: Any, timeout_s: float
     try:
         while True:
             try:
-                return queue.get(timeout=0.5)
+                item = queue.get(timeout=0.5)
             except queue_module.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    what = f"rank {failed[0]} exited with code {procs[failed[0]].exitcode}" if failed else "timed out"
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    what = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}" if dead else "timed out"
                     raise RuntimeError(f"calibration on {world} local processes failed: {what}") from None
+                continue
+            if not isinstance(item, _Failure):
+                return item
+            failures = [item]
+            for p in procs:  # the others fail soon after (their peer is gone): collect them too
+                p.join(timeout=10)
+            while not queue.empty():
+                failures.append(queue.get())
+            detail = "; ".join(f"rank {f.rank}: {f.error}" for f in sorted(failures, key=lambda f: f.rank)
+                               if isinstance(f, _Failure))
+            raise RuntimeError(f"calibration on {world} local processes failed: {detail}")
     finally:
         for p in procs:
             p.join(timeout=60)
