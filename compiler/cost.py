@@ -81,6 +81,22 @@ def param_count(dims: ModelDims) -> int:
     return embedding_params(dims) + dims.num_layers * layer_params(dims) + dims.hidden_size + head
 
 
+def param_tensor_count(dims: ModelDims) -> int:
+    """Weight tensors of the model: 9 per block (q, k, v, o, gate, up, down, two norms), the embedding,
+    the final norm, and the output head unless it is tied."""
+    return 9 * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
+
+
+def fsdp_units(dims: ModelDims, pp: int = 1) -> int:
+    """Units that FSDP gathers and reduces one at a time on one pipeline stage: each transformer block,
+    plus the root (embedding, final norm, head)."""
+    return max(1, math.ceil(dims.num_layers / pp)) + 1
+
+
+# DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
 def matmul_params(dims: ModelDims) -> int:
     """Weights that take part in a matmul for every token: all block linears plus the output head.
 
@@ -227,6 +243,15 @@ def measured_collective(hw: HardwareSpec, kind: str, group_size: int) -> Collect
     if below:
         return max(below, key=lambda f: f.group_size)
     return min(fits, key=lambda f: f.group_size)
+
+
+def chunked_collective_time(
+    kind: CollectiveKind, num_bytes: float, calls: int, group_size: int, hw: HardwareSpec, spans_nodes: bool
+) -> float:
+    """Seconds for `num_bytes` moved as `calls` equal collectives one after another (FSDP units, DDP
+    buckets, per-tensor gathers): the bytes cost the same, the latency is paid per call."""
+    calls = max(1, calls)
+    return calls * collective_time(kind, num_bytes / calls, group_size, hw, spans_nodes)
 
 
 def group_spans_nodes(devices: Sequence[int], devices_per_node: int) -> bool:
@@ -608,9 +633,11 @@ def _data_parallel_comm(
         return 0.0, 0.0
     buffer = param_count(dims) / (tp * pp) * BF16_BYTES
     if sharding == "none":
-        return collective_time("all_reduce", buffer, d, hw, spans_nodes), 0.0
-    gather = collective_time("all_gather", buffer, d, hw, spans_nodes)
-    scatter = collective_time("reduce_scatter", buffer, d, hw, spans_nodes)
+        buckets = math.ceil(buffer / DDP_BUCKET_BYTES)
+        return chunked_collective_time("all_reduce", buffer, buckets, d, hw, spans_nodes), 0.0
+    units = fsdp_units(dims, pp) if sharding == "fsdp" else math.ceil(buffer / DDP_BUCKET_BYTES)
+    gather = chunked_collective_time("all_gather", buffer, units, d, hw, spans_nodes)
+    scatter = chunked_collective_time("reduce_scatter", buffer, units, d, hw, spans_nodes)
     if sharding == "fsdp":
         return 2 * gather + scatter, 0.0
     if sharding in ("zero1", "zero2"):
@@ -758,7 +785,7 @@ def forward_time(
     gather = 0.0
     if fsdp > 1:
         buffer = param_count(dims) / (tp * pp) * BF16_BYTES
-        gather = collective_time("all_gather", buffer, d, hw, dp_spans_nodes)
+        gather = chunked_collective_time("all_gather", buffer, fsdp_units(dims, pp), d, hw, dp_spans_nodes)
     exposed_gather = _overlap(gather, compute, layers_per_stage)
 
     critical = compute + tp_comm + pp_comm

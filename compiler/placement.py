@@ -369,14 +369,16 @@ def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, f
 
 
 def reshard_in_place_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
-    """Colocated: each device gathers its generator tp shard from the trainer's shards (all-gather)."""
+    """Colocated: each device gathers its generator tp shard from the trainer's shards, one all-gather
+    per weight tensor. Replicated trainer weights (no FSDP) with the generator's tp are read in place."""
     role = p.policy
     weights = cost.weight_bytes(role.dims, cost.BF16_BYTES)
     group = train.dp * train.fsdp
-    if group <= 1 and train.tp == gen.tp:
+    if (group <= 1 or train.sharding != "fsdp") and train.tp == gen.tp:
         return 0.0, 0.0
     group = max(group, 2)
-    t = cost.collective_time("all_gather", weights / gen.tp, group, p.hw, p.spans(0, p.num_devices))
+    t = cost.chunked_collective_time("all_gather", weights / gen.tp, cost.param_tensor_count(role.dims), group,
+                                     p.hw, p.spans(0, p.num_devices))
     return t, weights * gen.dp
 
 

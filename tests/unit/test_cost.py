@@ -408,9 +408,22 @@ def test_training_step_ddp_overlap_by_hand() -> None:
 
 def test_fsdp_moves_one_and_a_half_times_ddp_bytes() -> None:
     # all-gather twice + reduce-scatter = 3 (n-1) steps of b/n vs all-reduce's 2 (n-1)
-    ddp = _toy_step(dp=8).comm_s
-    assert _toy_step(dp=8, sharding="fsdp").comm_s == pytest.approx(1.5 * ddp)
-    assert _toy_step(dp=8, sharding="zero2").comm_s == pytest.approx(ddp)
+    no_latency = TOY_HW.model_copy(update={"link_latency_s": 0.0})
+    ddp = _toy_step(dp=8, hw=no_latency).comm_s
+    assert _toy_step(dp=8, sharding="fsdp", hw=no_latency).comm_s == pytest.approx(1.5 * ddp)
+    assert _toy_step(dp=8, sharding="zero2", hw=no_latency).comm_s == pytest.approx(ddp)
+
+
+def test_fsdp_pays_latency_per_unit() -> None:
+    """FSDP gathers and reduces block by block (TOY: 2 blocks + the root = 3 units), so each of its three
+    collectives per step pays (n-1) latency steps per unit; DDP's one bucket pays 2 (n-1) once. A model
+    that charged FSDP's latency once made it look as cheap as DDP where latency dominates (gloo)."""
+    no_latency = TOY_HW.model_copy(update={"link_latency_s": 0.0})
+    alpha, n, units = TOY_HW.link_latency_s, 8, TOY.num_layers + 1
+    fsdp = _toy_step(dp=n, sharding="fsdp").comm_s - _toy_step(dp=n, sharding="fsdp", hw=no_latency).comm_s
+    ddp = _toy_step(dp=n).comm_s - _toy_step(dp=n, hw=no_latency).comm_s
+    assert fsdp == pytest.approx(3 * units * (n - 1) * alpha)
+    assert ddp == pytest.approx(2 * (n - 1) * alpha)
 
 
 def test_zero_weight_gather_after_the_step_is_exposed() -> None:
