@@ -300,6 +300,10 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
     return t + p.hw.op_overhead_s, min(concurrent, share)
 
 
+# One float64 per reported metric (reward sum and count, tokens, loss, KL, entropy, grad norm, ...).
+METRICS_BYTES = 16 * 8
+
+
 def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
     """Seconds per step of each op kind of each role on the trainer mesh, keyed 'Kind:role'
     (e.g. 'TrainStep:policy', 'Logprob:reference'); the instruction durations the simulator uses."""
@@ -324,6 +328,9 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
             intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp, microbatches=common["microbatches"],
         )
         out[f"TrainStep:{role.name}"] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
+        if role is p.policy:  # the step's metrics (reward, loss, ...) are all-reduced over the trainer ranks
+            out[f"TrainStep:{role.name}"] += cost.collective_time(
+                "all_reduce", METRICS_BYTES, cfg.n, p.hw, p.spans(cfg.first, cfg.n))
         # Critics (and any train role besides the policy) also run a forward for their values.
         if role is not p.policy:
             out[f"Forward:{role.name}"] = forward
