@@ -138,13 +138,14 @@ def main() -> int:
         # from the next by as much: each repeat calibrates, then runs both plans right after, and the
         # error reported is the median over repeats of each repeat's own error.
         rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _ in plans}
+        default_s = {name: predict(job, "local-cpu-2")[1] for name, job in plans}  # machine-independent
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}: calibrating this machine (graphrl calibrate), then both runs",
                   flush=True)
             calibrated = given or calibrate(report=lambda s: None)
             for name, job in plans:
                 measured, predicted = run_plan(job, "local-cpu-2", tmp / f"{name.split(',')[0]}{rep}", hw=calibrated)
-                rows[name].append((measured, predicted, predict(job, "local-cpu-2")[1]))
+                rows[name].append((measured, predicted, default_s[name]))
         print(f"\n{'plan (2 CPU ranks), medians':<30} {'measured s/step':>16} {'calibrated':>11} {'error':>7} "
               f"{'preset defaults':>16} {'error':>7}   calibrated error of each repeat")
         errors = {}

@@ -220,14 +220,21 @@ def collective_time(
     else:
         bw = (hw.inter_node_bandwidth if spans_nodes else hw.intra_node_bandwidth) * hw.link_efficiency
         alpha = hw.link_latency_s
+    factor, steps = ring_shape(kind, n)
+    return factor * num_bytes / bw + steps * alpha
+
+
+def ring_shape(kind: str, n: int) -> tuple[float, int]:
+    """(bandwidth factor, latency steps) of `kind` over n > 1 ranks in the ring model, so that seconds =
+    factor * bytes / bw + steps * alpha (the table in `collective_time`)."""
     if kind == "all_reduce":
-        return 2 * (n - 1) * (num_bytes / (n * bw) + alpha)
+        return 2 * (n - 1) / n, 2 * (n - 1)
     if kind == "all_gather" or kind == "reduce_scatter":
-        return (n - 1) * (num_bytes / (n * bw) + alpha)
+        return (n - 1) / n, n - 1
     if kind == "broadcast":
-        return num_bytes / bw + (n - 1) * alpha
+        return 1.0, n - 1
     if kind == "p2p":
-        return num_bytes / bw + alpha
+        return 1.0, 1
     raise ValueError(
         f"unknown collective {kind!r}; expected all_gather, reduce_scatter, all_reduce, broadcast or p2p"
     )
@@ -632,10 +639,10 @@ def _data_parallel_comm(
     if d <= 1:
         return 0.0, 0.0
     buffer = param_count(dims) / (tp * pp) * BF16_BYTES
+    buckets = math.ceil(buffer / DDP_BUCKET_BYTES)
     if sharding == "none":
-        buckets = math.ceil(buffer / DDP_BUCKET_BYTES)
         return chunked_collective_time("all_reduce", buffer, buckets, d, hw, spans_nodes), 0.0
-    units = fsdp_units(dims, pp) if sharding == "fsdp" else math.ceil(buffer / DDP_BUCKET_BYTES)
+    units = fsdp_units(dims, pp) if sharding == "fsdp" else buckets
     gather = chunked_collective_time("all_gather", buffer, units, d, hw, spans_nodes)
     scatter = chunked_collective_time("reduce_scatter", buffer, units, d, hw, spans_nodes)
     if sharding == "fsdp":

@@ -367,20 +367,10 @@ def _line_fit(times: dict[int, float]) -> tuple[float, float]:
     return max(times[small] - slope * small, 0.0), slope
 
 
-# Ring-model shape of each collective over n ranks: (bandwidth factor, latency steps), so that
-# seconds = factor * bytes / bus_bandwidth + steps * latency (see cost.collective_time).
-def _ring_shape(kind: str, n: int) -> tuple[float, int]:
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n, 2 * (n - 1)
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n, n - 1
-    return 1.0, n - 1  # broadcast
-
-
 def fit_collective(kind: MeasuredCollective, group_size: int, times: dict[int, float]) -> CollectiveFit:
     """The ring-model bandwidth and per-step latency that reproduce measured {bytes: seconds}."""
     intercept, slope = _line_fit(times)
-    factor, steps = _ring_shape(kind, group_size)
+    factor, steps = cost.ring_shape(kind, group_size)
     return CollectiveFit(kind=kind, group_size=group_size, bus_bandwidth=factor / slope, latency_s=intercept / steps)
 
 
