@@ -21,11 +21,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 from graphrl.ir import JobGraph, OpNode
+from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.model import ModelDims
 from graphrl.schemas.plan import Layout, RolePlacement
 from graphrl.schemas.program import (
     Advantage,
@@ -37,6 +41,8 @@ from graphrl.schemas.program import (
     Onload,
     Programs,
     Recv,
+    TAG_STRIDE,
+    RankProgram,
     ReleaseWeights,
     ReshardInPlace,
     Reward,
@@ -44,6 +50,7 @@ from graphrl.schemas.program import (
     TrainStep,
     Value,
     WeightSync,
+    shift,
 )
 
 from graphrl.compiler import cost
@@ -157,7 +164,7 @@ def _reshard(step: int, pairs: list[tuple[int, int, int, int]], seq_len: int, ou
     """Emit one step's reshard: the sends, the receives, or both."""
     for src, dst, lo, hi in pairs:
         num_bytes = (hi - lo) * seq_len * ROLLOUT_BYTES_PER_TOKEN
-        tag = step * 1_000_003 + src * 1009 + dst
+        tag = step * TAG_STRIDE + src * 1009 + dst
         if sends:
             out.streams[src].append(Send(step, "rollouts", lo, hi, dst, num_bytes, tag))
         if recvs:
@@ -203,7 +210,69 @@ def _trainer_step(graph: JobGraph, step: int, train: MeshRanks, responses: int, 
 
 
 def build_programs(graph: JobGraph, problem: Problem, ev: Evaluated, layout: Layout, *, steps: int,
-                   mode: str | None = None, checkpoint_every: int | None = None) -> Programs:
+                   mode: str | None = None, checkpoint_every: int | None = None, periodic: bool = True) -> Programs:
+    """The job's programs on `layout` for a run of `steps` steps: periodic (one loop per rank, whose
+    size does not depend on `steps`), or with `periodic=False` the whole run unrolled (the reference
+    the periodic form is checked against)."""
+    def transcript(n: int) -> Programs:
+        return build_transcript(graph, problem, ev, layout, steps=n, mode=mode, checkpoint_every=checkpoint_every)
+
+    if not periodic:
+        return transcript(steps)
+    job = graph.job
+    mode_ = mode or (job.schedule.mode if layout.strategy == "disaggregated" else "sync")
+    warm = fold_length(job.schedule.max_staleness if mode_ == "async" else 0)
+    if steps < warm:
+        return transcript(steps)
+    short, longer = transcript(warm), transcript(warm + 1)
+    ranks = fold_streams([r.prologue for r in short.ranks], [r.prologue for r in longer.ranks], warm)
+    folded = dataclasses.replace(short, steps=steps, ranks=ranks)
+    # The fold reproduces the two transcripts it came from by construction; it is a claim about every
+    # run length, so check it on one more before trusting it.
+    check = transcript(warm + 2)
+    for rank, reference in enumerate(check.ranks):
+        if list(folded.rank_stream(rank, warm + 2)) != list(reference.instructions(warm + 2, check.checkpoint_every)):
+            raise AssertionError(f"rank {rank}: the periodic program differs from the {warm + 2}-step transcript")
+    return folded
+
+
+def fold_length(staleness: int) -> int:
+    """Steps of the short transcripts the periodic form is folded from: enough for the warm-up (the
+    generator runs `staleness` steps ahead), two steady-state steps, and the drain."""
+    return 2 * staleness + 6
+
+
+def fold_streams(short: list[list[Instruction]], longer: list[list[Instruction]], steps: int) -> list[RankProgram]:
+    """Each rank's loop, from its transcripts of `steps` and `steps + 1` steps (checkpoints not yet
+    filtered): the longer one is the shorter with one more body iteration in the middle."""
+    return [_fold_rank(x, y, steps) for x, y in zip(short, longer)]
+
+
+def _fold_rank(x: list[Instruction], y: list[Instruction], steps: int) -> RankProgram:
+    """x = prologue + body(first) + ... + body(steps - tail - 1) + epilogue; y has one iteration more, so
+    y = x[:cut] + body(first) + shift(x[cut:], 1): the cut is where x's end, one step later, stops being
+    y's end."""
+    extra = len(y) - len(x)
+    assert extra >= 0, "a longer run has fewer instructions"
+    matched = 0
+    while matched < len(x) and shift(x[len(x) - 1 - matched], 1) == y[len(y) - 1 - matched]:
+        matched += 1
+    cut = len(x) - matched
+    assert x[:cut] == y[:cut], "the transcripts of two run lengths share no periodic middle"
+    if extra == 0:
+        return RankProgram(x[:cut], [], [shift(i, -steps) for i in x[cut:]])
+    block = y[cut:cut + extra]
+    first = min(getattr(i, "step", getattr(i, "version", 0)) for i in block)
+    body = [shift(i, -first) for i in block]
+    count = 0  # body iterations inside x
+    while x[cut + count * extra:cut + (count + 1) * extra] == [shift(i, first + count) for i in body]:
+        count += 1
+    epilogue = [shift(i, -steps) for i in x[cut + count * extra:]]
+    return RankProgram(x[:cut], body, epilogue, first=first, tail=steps - first - count)
+
+
+def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: Layout, *, steps: int,
+                     mode: str | None = None, checkpoint_every: int | None = None) -> Programs:
     """Unroll `steps` steps of the job on `layout` into one instruction stream per rank."""
     job = graph.job
     mode = mode or (job.schedule.mode if layout.strategy == "disaggregated" else "sync")
@@ -246,7 +315,8 @@ def build_programs(graph: JobGraph, problem: Problem, ev: Evaluated, layout: Lay
     if gen is not None and colocated:
         durations[f"ReshardInPlace:{problem.policy.model}"] = reshard_in_place_time(problem, ev.train, ev.gen)[0]
     elif gen is not None:
-        weight_syncs[transfer], durations[f"WeightSync:{transfer}"] = _ddma(problem, train, gen, gen_pl.precision)
+        weight_syncs[transfer], durations[f"WeightSync:{transfer}"] = _ddma(
+            problem.policy.dims, problem.policy.model, problem.hw, problem.per_node, train, gen, gen_pl.precision)
 
     # Which versions some generate uses, and where each is first needed.
     versions = [version_for(i, mode, staleness) for i in range(steps)]
@@ -300,29 +370,34 @@ def build_programs(graph: JobGraph, problem: Problem, ev: Evaluated, layout: Lay
                 receive_through(first_use[i + 1] - 1)
                 out.emit(train.ranks, WeightSync(problem.policy.model, i + 1, transfer, "sync"))
             _checkpoint(i, steps, checkpoint_every, out, group="trainer", ranks=train.ranks)
-    return Programs(steps=steps, streams=out.streams, groups=groups, weight_syncs=weight_syncs, durations=durations)
+    return Programs.unrolled(steps, out.streams, groups, weight_syncs, durations, checkpoint_every)
 
 
 def _checkpoint(step: int, steps: int, every: int, out: _Streams, group: str = "all",
                 ranks: range | None = None) -> None:
-    if step == steps - 1 or (every and (step + 1) % every == 0):
-        out.emit(ranks if ranks is not None else range(len(out.streams)), Checkpoint(step, group))
+    """Every step ends with a checkpoint instruction; it runs when `checkpoint_due` says so, which keeps
+    the schedule periodic with a period of one step whatever `checkpoint_every` is."""
+    out.emit(ranks if ranks is not None else range(len(out.streams)), Checkpoint(step, group))
 
 
-def _ddma(problem: Problem, train: MeshRanks, gen: MeshRanks, precision: str) -> tuple[dict, float]:
-    """Plan the trainer -> generator weight copy; return (stored plan data, predicted seconds)."""
-    dims = problem.policy.dims
+@functools.lru_cache(maxsize=16)
+def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: MeshRanks, gen: MeshRanks,
+          precision: str) -> tuple[dict, float]:
+    """Plan the trainer -> generator weight copy; return (stored plan data, predicted seconds).
+
+    Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
+    schedules one layout both sync and async; a 405B plan takes seconds to plan. Callers never mutate
+    the returned data."""
     src = Mesh.contiguous([("dp", train.dp), ("fsdp", train.fsdp), ("tp", train.tp), ("pp", train.pp)], train.first)
     dst = Mesh.contiguous([("dp", gen.dp), ("tp", gen.tp)], gen.first)
     plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_param_layout, dst_mesh=dst,
                             dst_layout=llama_param_layout, src_bytes_per_elem=cost.BF16_BYTES,
                             dst_bytes_per_elem=cost.PRECISION_BYTES[precision], bucket_bytes=DDMA_BUCKET_BYTES)
-    hw = problem.hw
-    spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), problem.per_node)
+    spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
     bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency
     seconds = sum(r.max_bucket_bytes / bw + hw.link_latency_s for r in plan.rounds)
     data: dict = {
-        "model": problem.policy.model,
+        "model": model,
         "src": {"first": train.first, "axes": {"dp": train.dp, "fsdp": train.fsdp, "tp": train.tp, "pp": train.pp}},
         "dst": {"first": gen.first, "axes": {"dp": gen.dp, "tp": gen.tp}},
         "src_bytes_per_elem": plan.src_bytes_per_elem, "dst_bytes_per_elem": plan.dst_bytes_per_elem,

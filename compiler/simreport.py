@@ -1,7 +1,10 @@
-"""`graphrl simulate`: the chosen plan against the colocated-synchronous baseline, and sync against async.
+"""`graphrl simulate`: the plan's own programs, and beside them (for a job compiled now) the same placement
+scheduled `sync` and `async` and the colocated-synchronous baseline.
 
-All figures come from simulating the per-rank programs (graphrl.compiler.simulate): the chosen plan's
-own programs, the same placement scheduled `sync` and `async`, and the baseline layout's programs.
+Every figure comes from simulating per-rank programs (graphrl.compiler.simulate). A plan file is
+simulated exactly as it is, never recompiled; its programs are periodic, so a window of the run (every
+prologue, `SIMULATED_ITERATIONS` body iterations, every epilogue) gives the steady-state seconds per
+step, and the whole run's time is that window's plus the remaining iterations at the steady rate.
 """
 
 from __future__ import annotations
@@ -10,15 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphrl.loader import LoadedJob, SourceMap
+from graphrl.ir import JobGraph
 from graphrl.schemas.plan import Plan
+from graphrl.schemas.program import Programs
 
-from graphrl.compiler.compile import compile_graph
 from graphrl.compiler.preview import human_seconds
 from graphrl.compiler.schedule import build_programs
 from graphrl.compiler.simulate import SimResult, run_programs, text_gantt, write_chrome_trace
 
 TRACE_ALL_RANKS_UP_TO = 64
+SIMULATED_ITERATIONS = 16
 
 
 @dataclass
@@ -36,32 +40,45 @@ def _representatives(plan: Plan) -> dict[int, str]:
     return names
 
 
-def simulate_report(plan: Plan, *, trace_path: Path | None = None, gantt: bool = True) -> SimReport:
-    steps = plan.programs.steps if plan.programs is not None else plan.job.schedule.steps
-    graph = compile_graph(LoadedJob(plan.job, SourceMap(None), None), plan.cluster, steps=steps)
-    pl = graph["placement"]
-    problem = pl["problem"]
-    hw, per_node = problem.hw, problem.per_node
-    n = problem.num_devices
+def simulate_window(programs: Programs, plan: Plan, trace_ranks: set[int] | None = None) -> tuple[SimResult, float]:
+    """The simulated window of a run and the predicted seconds of the whole run."""
+    window = programs.with_steps(programs.window_steps(SIMULATED_ITERATIONS))
+    result = run_programs(window, hw=plan.hardware, devices_per_node=plan.cluster.devices_per_node, timed=True,
+                          trace_ranks=trace_ranks)
+    return result, result.makespan_s + (programs.steps - window.steps) * result.step_time_s
+
+
+def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Path | None = None,
+                    gantt: bool = True) -> SimReport:
+    """Simulate `plan.programs`; with `graph` (the compiled job the plan came from) also the same
+    placement under the other schedule and the baseline layout."""
+    if plan.programs is None:
+        from graphrl.errors import PlanFileError
+
+        raise PlanFileError("the plan has no programs to simulate", fix="compile it with `graphrl compile JOB -o plan.msgpack`")
+    programs = plan.programs
+    steps = programs.steps
+    n = programs.num_ranks
     names = _representatives(plan)
     trace_ranks = set(range(n)) if n <= TRACE_ALL_RANKS_UP_TO else set(names)
+    layout = plan.chosen
 
-    def run(programs, trace: bool = False) -> SimResult:  # noqa: ANN001
-        return run_programs(programs, hw=hw, devices_per_node=per_node, timed=True,
-                            trace_ranks=trace_ranks if trace else None)
+    def step_time(other: Programs) -> float:
+        return simulate_window(other, plan)[0].step_time_s
 
-    chosen = run(graph["programs"], trace=bool(trace_path) or gantt)
-    ev, layout = pl["chosen_eval"], pl["chosen"]
-    if layout.strategy == "disaggregated":
-        sync = run(build_programs(graph, problem, ev, layout, steps=steps, mode="sync"))
-        async_ = run(build_programs(graph, problem, ev, layout, steps=steps, mode="async"))
-        sync_s, async_s = sync.step_time_s, async_.step_time_s
-    else:
-        sync_s, async_s = chosen.step_time_s, None
-    baseline_s = None
-    if pl["baseline_eval"] is not None:
-        base = run(build_programs(graph, problem, pl["baseline_eval"], pl["baseline"], steps=steps, mode="sync"))
-        baseline_s = base.step_time_s
+    chosen, run_s = simulate_window(programs, plan, trace_ranks if (trace_path or gantt) else None)
+    sync_s, async_s, baseline_s = chosen.step_time_s, None, None
+    if graph is not None:
+        pl = graph["placement"]
+        problem, ev = pl["problem"], pl["chosen_eval"]
+        if layout.strategy == "disaggregated":
+            sync_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode="sync"))
+            async_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode="async"))
+        if pl["baseline_eval"] is not None:
+            baseline_s = step_time(build_programs(graph, problem, pl["baseline_eval"], pl["baseline"], steps=steps,
+                                                  mode="sync"))
+    elif plan.baseline is not None:
+        baseline_s = plan.baseline.estimate.step_time_s  # a plan file holds the baseline's estimate, not its programs
     busy = {}
     for mesh in layout.meshes:
         fractions = [chosen.busy_fraction[r] for r in mesh.devices]
@@ -69,22 +86,25 @@ def simulate_report(plan: Plan, *, trace_path: Path | None = None, gantt: bool =
     data = {
         "job": plan.job.name, "cluster": plan.cluster.name, "steps": steps, "strategy": layout.strategy,
         "label": layout.label, "mode": layout.estimate.mode,
-        "step_time_s": chosen.step_time_s, "makespan_s": chosen.makespan_s,
+        "step_time_s": chosen.step_time_s, "makespan_s": run_s, "simulated_steps": chosen_window_steps(programs),
         "analytical_step_time_s": plan.chosen.estimate.step_time_s if plan.chosen.estimate.method == "analytical" else None,
-        "baseline": None if baseline_s is None else {"label": pl["baseline"].label, "step_time_s": baseline_s},
+        "baseline": None if baseline_s is None else {"label": plan.baseline.label, "step_time_s": baseline_s},
         "speedup": None if baseline_s is None else baseline_s / chosen.step_time_s,
         "sync_step_time_s": sync_s, "async_step_time_s": async_s,
         "busy_fraction": busy,
         "busy_fraction_per_rank": chosen.busy_fraction if n <= TRACE_ALL_RANKS_UP_TO else None,
     }
-    lines = [f"job {plan.job.name} on {plan.cluster.name} ({n} devices), {steps} steps simulated",
+    lines = [f"job {plan.job.name} on {plan.cluster.name} ({n} devices), {steps} steps: "
+             f"{chosen_window_steps(programs)} simulated, whole run {human_seconds(run_s)}",
              f"chosen:   {layout.label} [{layout.estimate.mode}]  {human_seconds(chosen.step_time_s)}/step"]
     if baseline_s is not None:
-        lines.append(f"baseline: {pl['baseline'].label} [sync]  {human_seconds(baseline_s)}/step   "
+        source = "" if graph is not None else f" ({plan.baseline.estimate.method} estimate in the plan)"
+        lines.append(f"baseline: {plan.baseline.label} [sync]{source}  {human_seconds(baseline_s)}/step   "
                      f"speed-up {baseline_s / chosen.step_time_s:.2f}x")
-    lines.append(f"same placement, sync:  {human_seconds(sync_s)}/step" +
-                 (f"   async (max_staleness {plan.job.schedule.max_staleness}): {human_seconds(async_s)}/step   "
-                  f"async speed-up {sync_s / async_s:.2f}x" if async_s else "   (colocated: async does not apply)"))
+    if graph is not None:
+        lines.append(f"same placement, sync:  {human_seconds(sync_s)}/step" +
+                     (f"   async (max_staleness {plan.job.schedule.max_staleness}): {human_seconds(async_s)}/step   "
+                      f"async speed-up {sync_s / async_s:.2f}x" if async_s else "   (colocated: async does not apply)"))
     lines.append("busy fraction: " + ", ".join(f"{k} {v:.0%}" for k, v in busy.items()))
     if trace_path is not None:
         write_chrome_trace(chosen, trace_path, names)
@@ -93,3 +113,7 @@ def simulate_report(plan: Plan, *, trace_path: Path | None = None, gantt: bool =
         lines.append("")
         lines.append(text_gantt(chosen, sorted(names), names=names))
     return SimReport(data, "\n".join(lines))
+
+
+def chosen_window_steps(programs: Programs) -> int:
+    return programs.window_steps(SIMULATED_ITERATIONS)

@@ -110,8 +110,41 @@ def check_staleness(programs: Programs, mode: str, max_staleness: int) -> None:
                                       f"breaks the staleness bound ({mode}, max_staleness {max_staleness})")
 
 
+def proof_window(programs: Programs, max_staleness: int) -> Programs:
+    """The programs of the shortest run that proves every run: each prologue, `max_staleness + 2` body
+    iterations on every rank, and each epilogue.
+
+    Why that is enough: iteration k + 1 of a body is iteration k with every step, weight version and tag
+    advanced by one, on every rank alike, so what one iteration does to a rank's memory, to its weight
+    version and to its rendezvous with other ranks, the next one does one step later. A rank's
+    cross-rank partners lie at most `max_staleness + 1` iterations away (the generator runs that far
+    ahead), so a window of `max_staleness + 2` iterations contains every pattern of meeting that a
+    longer run can contain, between the prologue, the body and the epilogue. A body that leaves memory
+    where it found it (its offloads and onloads pair up: `check_body_memory_balance`) can run any
+    number of times."""
+    return programs.with_steps(programs.window_steps(max_staleness + 2))
+
+
+def check_body_memory_balance(programs: Programs) -> None:
+    """Every body moves as much state off the device as back onto it, role by role, so the ledger is
+    the same at the start of every iteration."""
+    for rank, program in enumerate(programs.ranks):
+        net: dict[tuple[str, str], int] = {}
+        for ins in program.body:
+            if isinstance(ins, (Offload, Onload)):
+                for k in ins.state:
+                    net[(ins.role, k)] = net.get((ins.role, k), 0) + (1 if isinstance(ins, Onload) else -1)
+        unbalanced = sorted(f"{role}.{k}" for (role, k), n in net.items() if n != 0)
+        if unbalanced:
+            raise VerifyError(f"rank {rank}: one loop iteration changes what is on the device "
+                              f"({', '.join(unbalanced)}): memory would drift from step to step",
+                              fix="compiler bug: offloads and onloads of a step must pair up")
+
+
 def verify_programs(programs: Programs, layout: Layout, usable_bytes: float, mode: str, max_staleness: int) -> float:
-    """Run every check; return the peak device bytes the ledger saw."""
-    run_programs(programs)  # deadlock and group agreement
-    check_staleness(programs, mode, max_staleness)
-    return check_memory(programs, layout, usable_bytes)
+    """Run every check on the proof window; return the peak device bytes the ledger saw."""
+    check_body_memory_balance(programs)
+    window = proof_window(programs, max_staleness)
+    run_programs(window)  # deadlock and group agreement
+    check_staleness(window, mode, max_staleness)
+    return check_memory(window, layout, usable_bytes)

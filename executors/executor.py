@@ -99,7 +99,8 @@ class StepStats:
 
 
 class RankExecutor:
-    """Interprets `plan.programs.streams[rank]` on one process of a torch.distributed job."""
+    """Interprets this rank's periodic program (prologue, body once per step, epilogue) on one process of a
+    torch.distributed job."""
 
     def __init__(self, plan: Plan, runtime: Runtime, out_dir: Path, *, start_step: int = 0,
                  resume_state: dict[str, Any] | None = None, profile: ProfileSettings | None = None) -> None:
@@ -111,7 +112,6 @@ class RankExecutor:
         self.rank = runtime.rank
         self.out_dir = out_dir
         self.programs = plan.programs
-        self.stream = self.programs.streams[self.rank]
         self.graph = build_graph(plan.job)
         self.nodes = {n.name: n for n in self.graph.nodes()}
         self.inputs = {n.name: {e.dst_port: (e.src, e.src_port) for e in self.graph.in_edges(n.name)}
@@ -204,7 +204,7 @@ class RankExecutor:
     def run(self) -> None:
         with self.profiler:
             try:
-                for self.index, ins in enumerate(self.stream):
+                for self.index, ins in enumerate(self.programs.rank_stream(self.rank)):
                     if getattr(ins, "step", self.start_step) < self.start_step:
                         continue
                     if isinstance(ins, (WeightSync, ReshardInPlace)) and ins.version < self.start_step:

@@ -216,67 +216,109 @@ def calibrate(output: Path | None, no_p2p: bool, max_ranks: int) -> None:
                f"p2p {spec.intra_node_bandwidth / 1e9:.2f} GB/s, {len(spec.collectives)} collective fits")
 
 
-def _load_plan_or_compile(target: str, cluster: str | None, **options):  # noqa: ANN201
-    """A plan file (msgpack) as it is, or a job compiled now."""
-    from graphrl.plan_io import MAGIC, load_plan
+def _is_plan_file(target: str) -> bool:
+    from graphrl.plan_io import MAGIC
 
     path = Path(target)
-    if path.suffix in (".msgpack", ".plan") or (path.is_file() and path.read_bytes()[:64].find(MAGIC.encode()) >= 0):
+    return path.suffix in (".msgpack", ".plan") or (path.is_file() and path.read_bytes()[:64].find(MAGIC.encode()) >= 0)
+
+
+def _load_plan_or_compile(target: str, cluster: str | None, **options):  # noqa: ANN201
+    """A plan file (msgpack) as it is, or a job compiled now."""
+    from graphrl.plan_io import load_plan
+
+    if _is_plan_file(target):
         if options.get("steps") or cluster:
             click.echo("warning: --steps and --cluster are ignored for a compiled plan file", err=True)
-        return load_plan(path)
+        return load_plan(Path(target))
     return _compile(target, cluster, **options)
+
+
+def _rank_section(title: str, instructions: list, limit: int, note: str = "") -> None:
+    from graphrl.schemas.program import describe
+
+    click.echo(f"  {title}: {len(instructions)} instructions{note}")
+    for i, ins in enumerate(instructions if limit == 0 else instructions[:limit]):
+        click.echo(f"    {i:>5}  {describe(ins)}")
+    if limit and len(instructions) > limit:
+        click.echo(f"    ... {len(instructions) - limit} more (--limit 0 shows all)")
 
 
 @main.command()
 @click.argument("plan", type=click.Path(path_type=str))
 @click.option("--rank", "-r", type=int, multiple=True, help="Only these ranks (repeatable). Default: one per mesh.")
 @click.option("--all-ranks", is_flag=True, help="Every rank.")
-@click.option("--limit", type=int, default=60, show_default=True, help="Instructions shown per rank (0 = all).")
-def inspect(plan: str, rank: tuple[int, ...], all_ranks: bool, limit: int) -> None:
-    """Print the per-rank programs of PLAN (a plan file, or a job compiled on the fly)."""
-    from graphrl.schemas.program import describe
+@click.option("--step", "step", type=click.IntRange(min=0), help="Show the instructions of this step as they will execute.")
+@click.option("--limit", type=int, default=60, show_default=True, help="Instructions shown per section (0 = all).")
+def inspect(plan: str, rank: tuple[int, ...], all_ranks: bool, step: int | None, limit: int) -> None:
+    """Print the per-rank programs of PLAN (a plan file, or a job compiled on the fly): each rank's
+    prologue, loop body (steps and versions relative to the loop counter k) and epilogue (relative to
+    the step count); with --step K, the instructions of step K with absolute operands."""
+    from graphrl.errors import GraphRLError
 
     p = _load_plan_or_compile(plan, None)
     if p.programs is None:
-        raise click.UsageError("this plan has no programs")
+        raise GraphRLError("this plan has no programs", fix="compile it with `graphrl compile JOB -o plan.msgpack`")
     progs = p.programs
+    if step is not None and step >= progs.steps:
+        raise GraphRLError(f"step {step} does not exist; the plan runs steps 0-{progs.steps - 1}",
+                           fix="pick a step in range")
     if all_ranks:
         ranks = list(range(progs.num_ranks))
     elif rank:
         bad = [r for r in rank if not 0 <= r < progs.num_ranks]
         if bad:
-            from graphrl.errors import GraphRLError as _E
-            raise _E(f"rank {bad[0]} does not exist; the plan has ranks 0-{progs.num_ranks - 1}", fix="pick a rank in range")
+            raise GraphRLError(f"rank {bad[0]} does not exist; the plan has ranks 0-{progs.num_ranks - 1}",
+                               fix="pick a rank in range")
         ranks = list(rank)
     else:
         ranks = sorted({m.first_device for m in p.chosen.meshes})
-    click.echo(f"plan {p.job.name}: {progs.num_ranks} ranks, {progs.steps} steps, {p.chosen.label}")
+    click.echo(f"plan {p.job.name}: {progs.num_ranks} ranks, {progs.steps} steps, {progs.num_instructions} "
+               f"instructions stored, {p.chosen.label}")
     for g, members in progs.groups.items():
         shown = f"{members[0]}-{members[-1]}" if len(members) > 1 and list(members) == list(range(members[0], members[-1] + 1)) else ",".join(map(str, members))
         click.echo(f"  group {g}: {shown}")
     for r in ranks:
-        stream = progs.streams[r]
-        click.echo(f"\nrank {r}: {len(stream)} instructions")
-        for i, ins in enumerate(stream if limit == 0 else stream[:limit]):
-            click.echo(f"  {i:>5}  {describe(ins)}")
-        if limit and len(stream) > limit:
-            click.echo(f"  ... {len(stream) - limit} more (--limit 0 shows all)")
+        program = progs.ranks[r]
+        click.echo(f"\nrank {r}:")
+        if step is not None:
+            from graphrl.schemas.program import describe
+
+            executed = program.step_view(progs.steps, step, progs.checkpoint_every)
+            click.echo(f"  step {step}: {len(executed)} instructions")
+            for where, ins in executed if limit == 0 else executed[:limit]:
+                click.echo(f"    {where:<16}  {describe(ins)}")
+            continue
+        loop = program.iterations(progs.steps)
+        _rank_section("prologue", program.prologue, limit)
+        _rank_section("body", program.body, limit, f", run for k = {loop.start}..{loop.stop - 1}"
+                      if len(loop) and program.body else "")
+        _rank_section("epilogue", program.epilogue, limit, " (steps relative to the step count)" if program.epilogue else "")
 
 
 @main.command()
 @click.argument("target", type=click.Path(path_type=str))
 @click.option("--cluster", "-c", help="Cluster preset or file (for a JOB).")
-@click.option("--steps", type=int, help="Steps to simulate (default: the job's).")
+@click.option("--steps", type=int, help="Steps of the run (default: the job's; for a JOB only).")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write a Chrome trace JSON (Perfetto).")
 @click.option("--gantt/--no-gantt", default=True, show_default=True, help="Print a text Gantt chart.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | None, gantt: bool, fmt: str) -> None:
-    """Simulate the programs of TARGET (a job or a plan file): seconds per step, busy fractions, timeline."""
+    """Simulate TARGET: a plan file exactly as it is, or a job compiled once (then also its sync and async
+    schedules and the baseline layout). Seconds per step, busy fractions, timeline."""
     from graphrl.compiler.simreport import simulate_report
 
-    plan = _load_plan_or_compile(target, cluster, steps=steps)
-    report = simulate_report(plan, trace_path=trace, gantt=gantt and fmt == "text")
+    if _is_plan_file(target):
+        plan, graph = _load_plan_or_compile(target, cluster, steps=steps), None
+    else:
+        from graphrl.compiler.compile import compile_graph, plan_of
+        from graphrl.loader import job_cluster
+
+        loaded = load_any(target)
+        resolved = job_cluster(loaded, cluster)
+        graph = compile_graph(loaded, resolved, steps=steps)
+        plan = plan_of(graph, resolved)
+    report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text")
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
 
 

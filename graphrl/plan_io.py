@@ -27,7 +27,8 @@ def plan_to_bytes(plan: Plan) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def plan_from_bytes(data: bytes, source: str = "<bytes>") -> Plan:
+def plan_from_bytes(data: bytes, source: str = "<bytes>", *, check: bool = True) -> Plan:
+    """The plan in `data`; `check` also proves its programs run to the end (no deadlock)."""
     where = Location(source)
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -38,18 +39,39 @@ def plan_from_bytes(data: bytes, source: str = "<bytes>") -> Plan:
         raise PlanFileError("not a graphrl plan file", location=where,
                             fix="write one with `graphrl compile JOB -o plan.msgpack`")
     if obj[MAGIC] != PLAN_FORMAT_VERSION:
-        raise PlanFileError(f"plan format version {obj[MAGIC]} is not supported (this graphrl reads {PLAN_FORMAT_VERSION})",
-                            location=where, fix="recompile the job with this graphrl")
+        older = " (version 1 plans unrolled every step; this graphrl writes periodic programs)" if obj[MAGIC] == 1 else ""
+        raise PlanFileError(f"plan format version {obj[MAGIC]} is not supported (this graphrl reads "
+                            f"{PLAN_FORMAT_VERSION}){older}", location=where, fix="recompile the job with this graphrl")
     try:
         programs = Programs.from_data(obj["programs"]) if obj.get("programs") is not None else None
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise PlanFileError(f"plan file has corrupted programs: {exc}", location=where, fix="recompile the job") from None
     try:
-        return Plan.model_validate({**obj["plan"], "programs": programs})
+        plan = Plan.model_validate({**obj["plan"], "programs": programs})
     except ValidationError as exc:
         raise PlanFileError(f"plan file is corrupted: {exc.errors()[0]['msg']} at "
                             f"{'.'.join(map(str, exc.errors()[0]['loc']))}", location=where,
                             fix="recompile the job") from None
+    if check and programs is not None:
+        _check_programs(plan, where)
+    return plan
+
+
+def _check_programs(plan: Plan, where: Location) -> None:
+    """Refuse programs that could not run to the end (an edited file: a send without its receive, a group
+    instruction some members lack): the verifier's deadlock check on the window that proves every run."""
+    from graphrl.compiler.simulate import run_programs
+    from graphrl.compiler.verify import proof_window
+    from graphrl.errors import VerifyError
+
+    assert plan.programs is not None
+    try:
+        if plan.programs.num_ranks != plan.cluster.num_devices:
+            raise ValueError(f"{plan.programs.num_ranks} rank programs for {plan.cluster.num_devices} devices")
+        run_programs(proof_window(plan.programs, plan.job.schedule.max_staleness))
+    except (VerifyError, ValueError) as exc:
+        raise PlanFileError(f"the plan's programs cannot run: {exc}", location=where,
+                            fix="recompile the job with `graphrl compile JOB -o plan.msgpack`") from None
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

@@ -164,11 +164,15 @@ def read_timeline(path: Path) -> list[TimedSpan]:
     return spans
 
 
+# Steps of a long run's programs simulated for the predicted side of a report (a steady state, not the run).
+REPORT_SIMULATED_ITERATIONS = 64
+
+
 def simulated_spans(plan: Plan) -> list[TimedSpan]:
     """Every rank's instruction spans as the simulator predicts them (the plan's own programs)."""
     from graphrl.compiler.simulate import run_programs
 
-    programs = plan.programs
+    programs = plan.programs.with_steps(plan.programs.window_steps(REPORT_SIMULATED_ITERATIONS))
     result = run_programs(programs, hw=plan.hardware, devices_per_node=plan.cluster.devices_per_node, timed=True,
                           trace_ranks=set(range(programs.num_ranks)))
     return [TimedSpan(s.rank, s.name, s.category, s.start, s.end - s.start) for s in result.spans]

@@ -17,7 +17,8 @@ from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import JobSpec, Precision, Sharding
 
-PLAN_FORMAT_VERSION = 1
+# 2: programs are periodic (prologue, one-step body, epilogue per rank); 1 unrolled every step.
+PLAN_FORMAT_VERSION = 2
 
 RoleKind = Literal["train", "generate", "infer"]
 

@@ -16,6 +16,8 @@ Operand conventions:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
@@ -241,25 +243,157 @@ def label(ins: Instruction) -> str:
     return " ".join(bits)
 
 
+TAG_STRIDE = 1_000_003
+"""Tags of a step's point-to-point pairs lie in [step * TAG_STRIDE, (step + 1) * TAG_STRIDE)."""
+
+_SHIFTED = ("step", "version")
+_NAMES: dict[type, tuple[str, ...]] = {t: tuple(name for name, _ in spec) for t, spec in _FIELDS.items()}
+
+
+def shift(ins: Instruction, steps: int) -> Instruction:
+    """`ins` moved `steps` steps later: its step, its weight version and its tag all advance together."""
+    if steps == 0:
+        return ins
+    cls = type(ins)
+    names = _NAMES[cls]
+    if "step" not in names and "version" not in names:
+        return ins
+    values = [getattr(ins, n) for n in names]
+    for k, n in enumerate(names):
+        if n in _SHIFTED:
+            values[k] += steps
+        elif n == "tag":
+            values[k] += steps * TAG_STRIDE
+    return cls(*values)
+
+
+def checkpoint_due(step: int, steps: int, every: int) -> bool:
+    """A run checkpoints after its last step and, with `every` > 0, after every `every`-th step."""
+    return step == steps - 1 or (every > 0 and (step + 1) % every == 0)
+
+
+@dataclass
+class RankProgram:
+    """One rank's program as a loop: a prologue, a body of one step run for k in [first, steps - tail),
+    and an epilogue.
+
+    - `prologue` instructions carry absolute steps and versions;
+    - `body` instructions carry offsets from the loop counter k (`Generate step=0 v=-1` is step k with
+      version k - 1), so iteration k executes `shift(ins, k)`;
+    - `epilogue` instructions carry offsets from the run's step count (`step=-1` is the last step).
+    Checkpoints stand in every iteration and run when `checkpoint_due` says so.
+    """
+
+    prologue: list[Instruction]
+    body: list[Instruction]
+    epilogue: list[Instruction]
+    first: int = 0
+    tail: int = 0
+
+    def iterations(self, steps: int) -> range:
+        return range(self.first, max(self.first, steps - self.tail))
+
+    def instructions(self, steps: int, every: int = 0) -> Iterator[Instruction]:
+        """The instructions this rank executes in a run of `steps` steps, in order."""
+        def due(ins: Instruction) -> bool:
+            return not isinstance(ins, Checkpoint) or checkpoint_due(ins.step, steps, every)
+
+        for ins in self.prologue:
+            if due(ins):
+                yield ins
+        for k in self.iterations(steps):
+            for ins in self.body:
+                ins = shift(ins, k)
+                if due(ins):
+                    yield ins
+        for ins in self.epilogue:
+            ins = shift(ins, steps)
+            if due(ins):
+                yield ins
+
+    def step_view(self, steps: int, step: int, every: int = 0) -> list[tuple[str, Instruction]]:
+        """What runs for step `step`, with where it comes from: the prologue's and epilogue's instructions
+        of that step, and the whole body iteration k = `step` (absolute operands; checkpoints that are
+        not due left out). Found without expanding the run."""
+        def of_step(ins: Instruction) -> bool:
+            return getattr(ins, "step", getattr(ins, "version", None)) == step
+
+        def due(ins: Instruction) -> bool:
+            return not isinstance(ins, Checkpoint) or checkpoint_due(ins.step, steps, every)
+
+        out = [(f"prologue {i}", ins) for i, ins in enumerate(self.prologue) if of_step(ins) and due(ins)]
+        if step in self.iterations(steps):
+            out += [(f"body k={step} {j}", shift(ins, step)) for j, ins in enumerate(self.body)
+                    if due(shift(ins, step))]
+        moved = [shift(ins, steps) for ins in self.epilogue]
+        out += [(f"epilogue {i}", ins) for i, ins in enumerate(moved) if of_step(ins) and due(ins)]
+        return out
+
+    def min_steps(self) -> int:
+        """The shortest run this form describes: the prologue's and the epilogue's steps must not overlap."""
+        return self.first + self.tail
+
+    def __len__(self) -> int:
+        return len(self.prologue) + len(self.body) + len(self.epilogue)
+
+
 @dataclass
 class Programs:
-    """Everything the executors run: one instruction stream per rank, the named rank groups, the DDMA
-    transfer plans, and the predicted duration of each instruction (for the simulator)."""
+    """Everything the executors run: one periodic program per rank, the named rank groups, the DDMA
+    transfer plans, and the predicted duration of each instruction (for the simulator).
+
+    The size of a `Programs` does not depend on `steps`: the body of each rank's loop is one step."""
 
     steps: int
-    streams: list[list[Instruction]]
+    ranks: list[RankProgram]
     groups: dict[str, tuple[int, ...]]
     weight_syncs: dict[str, Any]  # transfer id -> WeightSyncPlan summary (json-able)
     durations: dict[str, float]  # cost key -> predicted seconds (see graphrl.compiler.schedule.cost_key)
+    checkpoint_every: int = 0
+
+    @classmethod
+    def unrolled(cls, steps: int, streams: list[list[Instruction]], groups: dict[str, tuple[int, ...]],
+                 weight_syncs: dict[str, Any], durations: dict[str, float], checkpoint_every: int = 0) -> "Programs":
+        """A transcript: every rank's whole run in its prologue (short runs, references and tests)."""
+        return cls(steps, [RankProgram(list(s), [], []) for s in streams], groups, weight_syncs, durations,
+                   checkpoint_every)
 
     @property
     def num_ranks(self) -> int:
-        return len(self.streams)
+        return len(self.ranks)
+
+    @property
+    def num_instructions(self) -> int:
+        """Instructions stored in the plan (not executed: the body runs once per step)."""
+        return sum(len(r) for r in self.ranks)
+
+    def rank_stream(self, rank: int, steps: int | None = None) -> Iterator[Instruction]:
+        return self.ranks[rank].instructions(self.steps if steps is None else steps, self.checkpoint_every)
+
+    @property
+    def streams(self) -> list[list[Instruction]]:
+        """Every rank's instructions for the whole run, expanded (only for short runs)."""
+        return [list(self.rank_stream(r)) for r in range(self.num_ranks)]
+
+    def with_steps(self, steps: int) -> "Programs":
+        """The same programs for a run of `steps` steps (a window for simulating and verifying)."""
+        if steps < max((r.min_steps() for r in self.ranks), default=0):
+            raise ValueError(f"these programs describe runs of at least "
+                             f"{max(r.min_steps() for r in self.ranks)} steps, not {steps}")
+        return dataclasses.replace(self, steps=steps)
+
+    def window_steps(self, iterations: int) -> int:
+        """Steps of a run that holds every prologue, `iterations` body iterations per rank and every
+        epilogue (or the whole run when it is shorter)."""
+        return min(self.steps, max((r.min_steps() for r in self.ranks), default=0) + iterations)
 
     def to_data(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
-            "streams": [[encode(i) for i in stream] for stream in self.streams],
+            "checkpoint_every": self.checkpoint_every,
+            "ranks": [{"first": r.first, "tail": r.tail,
+                       "prologue": [encode(i) for i in r.prologue], "body": [encode(i) for i in r.body],
+                       "epilogue": [encode(i) for i in r.epilogue]} for r in self.ranks],
             "groups": {k: list(v) for k, v in self.groups.items()},
             "weight_syncs": self.weight_syncs,
             "durations": self.durations,
@@ -267,16 +401,21 @@ class Programs:
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> "Programs":
+        ranks = []
+        for r in data["ranks"]:
+            first, tail = r["first"], r["tail"]
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (first, tail)):
+                raise ValueError(f"rank loop bounds must be whole numbers >= 0, got first={first!r} tail={tail!r}")
+            ranks.append(RankProgram([decode(i) for i in r["prologue"]], [decode(i) for i in r["body"]],
+                                     [decode(i) for i in r["epilogue"]], first, tail))
+        steps = data["steps"]
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
         return cls(
-            steps=int(data["steps"]),
-            streams=[[decode(i) for i in stream] for stream in data["streams"]],
+            steps=steps,
+            ranks=ranks,
             groups={k: tuple(int(r) for r in v) for k, v in data["groups"].items()},
             weight_syncs=dict(data["weight_syncs"]),
             durations={k: float(v) for k, v in data["durations"].items()},
+            checkpoint_every=int(data["checkpoint_every"]),
         )
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Programs):
-            return NotImplemented
-        return (self.steps, self.streams, self.groups, self.weight_syncs, self.durations) == (
-            other.steps, other.streams, other.groups, other.weight_syncs, other.durations)

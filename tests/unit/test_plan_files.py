@@ -29,7 +29,8 @@ def test_round_trip_is_exact(tmp_path, name):
     (b"\x80\x04\x95garbage-pickle", "not a"),
     (msgpack.packb({"something": 1}), "not a graphrl plan"),
     (msgpack.packb({"graphrl_plan": 999, "plan": {}}), "version 999"),
-    (msgpack.packb({"graphrl_plan": 1, "plan": {"job": 3}}), "corrupted"),
+    (msgpack.packb({"graphrl_plan": 2, "plan": {"job": 3}}), "corrupted"),
+    (msgpack.packb({"graphrl_plan": 1, "plan": {}}), "version 1 is not supported"),
 ])
 def test_bad_plan_files(payload, words):
     with pytest.raises(PlanFileError) as info:

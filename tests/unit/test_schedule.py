@@ -62,7 +62,8 @@ def test_swapped_send_and_recv_order_is_a_deadlock():
     trainer = list(programs.streams[1])
     recvs = [k for k, ins in enumerate(trainer) if isinstance(ins, Recv)]
     trainer[recvs[0]], trainer[recvs[1]] = trainer[recvs[1]], trainer[recvs[0]]
-    broken = dataclasses.replace(programs, streams=[programs.streams[0], trainer])
+    broken = dataclasses.replace(programs, ranks=Programs.unrolled(
+        programs.steps, [programs.streams[0], trainer], programs.groups, {}, {}).ranks)
     with pytest.raises(VerifyError) as info:
         run_programs(broken)
     assert "deadlock: rank" in str(info.value) and "instruction" in str(info.value)
@@ -72,7 +73,8 @@ def test_missing_weight_sync_breaks_staleness():
     programs = graph_of("aipo_async_tiny.yaml", steps=6)["programs"]
     streams = [[i for i in s if not (isinstance(i, WeightSync) and i.version == 2)] for s in programs.streams]
     with pytest.raises(VerifyError) as info:
-        check_staleness(dataclasses.replace(programs, streams=streams), "async", 1)
+        check_staleness(dataclasses.replace(programs, ranks=Programs.unrolled(6, streams, {}, {}, {}).ranks),
+                        "async", 1)
     assert "holds" in str(info.value)
 
 
