@@ -20,9 +20,7 @@ import os
 import socket
 import time
 from datetime import timedelta
-from types import SimpleNamespace
 from typing import Any, Callable
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -53,10 +51,7 @@ def model_dims(layers: int) -> ModelDims:
 
 
 def stored_plan(dims: ModelDims, src: MeshRanks, dst: MeshRanks, bucket_bytes: int) -> dict[str, Any]:
-    problem = SimpleNamespace(policy=SimpleNamespace(model="policy", dims=dims),
-                              hw=HARDWARE_PRESETS["h100-sxm-80gb"], per_node=8)
-    with mock.patch.object(schedule, "DDMA_BUCKET_BYTES", bucket_bytes):
-        data, _ = schedule._ddma(problem, src, dst, "bf16")
+    data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16", bucket_bytes)
     return json.loads(json.dumps(data))
 
 

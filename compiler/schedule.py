@@ -382,7 +382,7 @@ def _checkpoint(step: int, steps: int, every: int, out: _Streams, group: str = "
 
 @functools.lru_cache(maxsize=16)
 def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: MeshRanks, gen: MeshRanks,
-          precision: str) -> tuple[dict, float]:
+          precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[dict, float]:
     """Plan the trainer -> generator weight copy; return (stored plan data, predicted seconds).
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
@@ -392,7 +392,7 @@ def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: M
     dst = Mesh.contiguous([("dp", gen.dp), ("tp", gen.tp)], gen.first)
     plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_param_layout, dst_mesh=dst,
                             dst_layout=llama_param_layout, src_bytes_per_elem=cost.BF16_BYTES,
-                            dst_bytes_per_elem=cost.PRECISION_BYTES[precision], bucket_bytes=DDMA_BUCKET_BYTES)
+                            dst_bytes_per_elem=cost.PRECISION_BYTES[precision], bucket_bytes=bucket_bytes)
     spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
     bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency
     seconds = sum(r.max_bucket_bytes / bw + hw.link_latency_s for r in plan.rounds)
@@ -401,7 +401,7 @@ def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: M
         "src": {"first": train.first, "axes": {"dp": train.dp, "fsdp": train.fsdp, "tp": train.tp, "pp": train.pp}},
         "dst": {"first": gen.first, "axes": {"dp": gen.dp, "tp": gen.tp}},
         "src_bytes_per_elem": plan.src_bytes_per_elem, "dst_bytes_per_elem": plan.dst_bytes_per_elem,
-        "bucket_bytes": DDMA_BUCKET_BYTES, "summary": plan_summary(plan), "predicted_s": seconds,
+        "bucket_bytes": bucket_bytes, "summary": plan_summary(plan), "predicted_s": seconds,
     }
     if plan.num_buckets <= MAX_STORED_BUCKETS:
         data["rounds"] = [

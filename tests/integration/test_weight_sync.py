@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -95,10 +94,8 @@ CASES = [
 
 def stored_plan(case: Case) -> dict[str, Any]:
     """The plan exactly as a compiled job stores it: `schedule._ddma`'s dict, through JSON."""
-    problem = SimpleNamespace(policy=SimpleNamespace(model="policy", dims=case.dims),
-                              hw=HARDWARE_PRESETS["h100-sxm-80gb"], per_node=8)
-    with mock.patch.object(schedule, "DDMA_BUCKET_BYTES", case.bucket_bytes):
-        data, _ = schedule._ddma(problem, case.src, case.dst, "bf16")
+    data, _ = schedule._ddma(case.dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, case.src, case.dst, "bf16",
+                             case.bucket_bytes)
     return json.loads(json.dumps(data))
 
 
