@@ -467,9 +467,12 @@ def _reject(ev: Evaluated, role: str, needed: float, available: float, why: str)
     return ev
 
 
-def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None) -> Evaluated:
+def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: MeshMemory | None = None,
+                       times: dict[str, float] | None = None) -> Evaluated:
+    """One colocated candidate. `mem` and `times` are the trainer's own figures (they do not depend on
+    the generator), passed in when the search already has them for this trainer."""
     ev = Evaluated("colocated", train, gen, fits=True)
-    mem = trainer_mesh_memory(p, train)
+    mem = mem or trainer_mesh_memory(p, train)
     if mem.peak > p.usable:
         return _reject(ev, p.policy.name, mem.peak, p.usable,
                        f"trainer mesh needs {mem.peak / GB:.1f} GB per device, {p.usable / GB:.1f} GB usable")
@@ -485,7 +488,7 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None) -> Evalu
                            f"beside {resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
         phases["generate"] = res[0]
         phases["reshard_in_place"] = reshard_in_place_time(p, train, gen)[0]
-    times = trainer_times(p, train)
+    times = times or trainer_times(p, train)
     phases.update(infer=times["infer"], train=times["train"], offload=times["offload"])
     ev.phases = {k: v for k, v in phases.items() if v > 0 or k in ("generate", "train")}
     ev.step_time_s = sum(ev.phases.values())
@@ -556,9 +559,11 @@ def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResu
         n = p.num_devices
         gens = _gen_cfgs(p, 0, n) if p.generator else [None]
         for train in _train_cfgs(p, 0, n):
+            mem = trainer_mesh_memory(p, train)
+            times = trainer_times(p, train) if mem.peak <= p.usable else None
             for gen in gens:
                 considered += 1
-                colocated.append(evaluate_colocated(p, train, gen))
+                colocated.append(evaluate_colocated(p, train, gen, mem=mem, times=times))
     if "colocated" in strategies:
         evaluated.extend(colocated)
     if "disaggregated" in strategies:
