@@ -21,6 +21,7 @@ import networkx as nx
 from graphrl.errors import JobError
 from graphrl.ir import DataEdge, JobGraph
 from graphrl.ops import OPS, op_kind
+from graphrl.schemas.algorithms import LOSSES
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
 
 from graphrl.compiler.passes import CompileContext, compiler_pass
@@ -210,7 +211,7 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
     job = graph.job
     warnings: list[str] = []
     for node in graph.nodes():
-        if node.op != "train" or node.spec.loss == "critic":
+        if node.op != "train" or LOSSES[node.spec.loss].trains == "critic":
             continue
         ports = {e.dst_port for e in graph.in_edges(node.name)}
         if job.algorithm.kl_coef > 0 and "ref_logprobs" not in ports:
@@ -219,10 +220,11 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
                 path=("algorithm", "kl_coef"),
                 fix=f"connect nodes.{node.name}.inputs.ref_logprobs to a reference logprob node, or set kl_coef: 0",
             )
-        if job.schedule.mode == "async" and node.spec.loss != "aipo":
+        if job.schedule.mode == "async" and not LOSSES[node.spec.loss].off_policy:
+            corrected = ", ".join(name for name in LOSSES.names() if LOSSES[name].off_policy)
             warnings.append(
                 f"nodes.{node.name}.loss: schedule is async but loss is {node.spec.loss!r}; off-policy "
-                "batches are not importance-corrected (use loss: aipo)"
+                f"batches are not importance-corrected (use loss: {corrected})"
             )
     return tuple(warnings)
 

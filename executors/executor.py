@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from graphrl.errors import RunError
 from graphrl.ir import build_graph
+from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.plan import Plan, RolePlacement
 from graphrl.schemas.program import (
     Advantage,
@@ -349,19 +350,9 @@ class RankExecutor:
         spec = self.nodes[ins.node].spec
         rewards = self.read(ins, "rewards")
         r = self.read(ins, "rollouts")
-        mask = r["response_mask"]
-        if spec.estimator == "grpo":
-            adv = alg.broadcast_to_tokens(alg.grpo_advantages(rewards, self.group_size, spec.normalize), mask)
-            returns = adv
-        elif spec.estimator == "rloo":
-            adv = alg.broadcast_to_tokens(alg.rloo_advantages(rewards, self.group_size), mask)
-            returns = adv
-        elif spec.estimator == "reinforce_pp":
-            adv = alg.reinforce_pp_advantages(rewards, mask, gamma=spec.gamma, normalize=spec.normalize)
-            returns = adv
-        else:
-            values = self.read(ins, "values")
-            adv, returns = alg.gae(rewards, values, mask, spec.gamma, spec.lam)
+        values = self.read(ins, "values") if ESTIMATORS[spec.estimator].needs_values else None
+        inputs = alg.AdvantageInputs(rewards, r["response_mask"], values, self.group_size, spec)
+        adv, returns = alg.ADVANTAGE_FNS[spec.estimator](inputs)
         self.values[(ins.step, ins.node, "advantages")] = {"advantages": adv.float(), "returns": returns.float()}
 
     def train_step(self, ins: TrainStep) -> None:
@@ -380,7 +371,7 @@ class RankExecutor:
         metrics: dict[str, float] = {}
         for _ in range(a.updates_per_step):
             role.optimizer.zero_grad(set_to_none=True)
-            if spec.loss == "critic":
+            if LOSSES[spec.loss].trains == "critic":
                 values = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
                 old = self.read(ins, "values")
                 loss, metrics = alg.critic_loss(values, old, adv["returns"], mask, a.value_clip)
@@ -388,11 +379,8 @@ class RankExecutor:
                 logprobs, entropy = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
                 old = self.read(ins, "old_logprobs")
                 behaviour = r["behaviour_logprobs"]
-                if spec.loss == "aipo":
-                    loss, metrics = alg.aipo_loss(logprobs, behaviour, adv["advantages"], mask, a.aipo_rho)
-                else:
-                    loss, metrics = alg.policy_loss(logprobs, old if old is not None else behaviour,
-                                                    adv["advantages"], mask, a.clip_eps)
+                inputs = alg.PolicyLossInputs(logprobs, old, behaviour, adv["advantages"], mask, a)
+                loss, metrics = alg.POLICY_LOSS_FNS[spec.loss](inputs)
                 ref = self.read(ins, "ref_logprobs")
                 if ref is not None and a.kl_coef > 0:
                     kl, kl_metrics = alg.kl_penalty(logprobs, ref, mask, a.kl_estimator)

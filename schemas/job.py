@@ -11,6 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from graphrl.schemas.algorithms import ESTIMATORS, LOSSES, check_name
 from graphrl.schemas.base import Frozen
 from graphrl.schemas.model import ModelSpec
 
@@ -99,10 +100,16 @@ class AdvantageNode(_Node):
     """Turn rewards (and values) into per-token advantages and returns."""
 
     op: Literal["advantage"] = "advantage"
-    estimator: Literal["grpo", "gae", "rloo", "reinforce_pp"] = Field(description="Advantage estimator.")
+    estimator: str = Field(description="Advantage estimator (see graphrl.schemas.algorithms).",
+                           json_schema_extra={"enum": ESTIMATORS.names()})
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
     lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda.")
     normalize: bool = Field(default=True, description="Divide group-relative advantages by their std (GRPO).")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        return check_name(value, ESTIMATORS)
 
 
 class TrainNode(_Node):
@@ -110,8 +117,14 @@ class TrainNode(_Node):
 
     op: Literal["train"] = "train"
     model: str = Field(description="Model whose weights are updated.")
-    loss: Literal["ppo", "grpo", "aipo", "critic"] = Field(description="Loss function.")
+    loss: str = Field(description="Loss function (see graphrl.schemas.algorithms).",
+                      json_schema_extra={"enum": LOSSES.names()})
     lr: float | None = Field(default=None, gt=0, description="Learning rate; defaults to algorithm.lr.")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        return check_name(value, LOSSES)
 
 
 NodeSpec = Annotated[

@@ -81,7 +81,7 @@ EXPECTED: dict[str, Expect] = {
     "empty_section.yaml": Expect("run", 47, "(got None)"),  # an empty value is null, not a YAML syntax error
     "missing_required_field.yaml": Expect("nodes.rollout.max_new_tokens", 18, "required field is missing"),
     "node_without_op.yaml": Expect("nodes.score", 25, "no 'op'"),
-    "unknown_estimator.yaml": Expect("nodes.adv.estimator", 31, "'grpo', 'gae'"),
+    "unknown_estimator.yaml": Expect("nodes.adv.estimator", 31, "unknown advantage estimator; known: gae, grpo, reinforce_pp, rloo"),
     # -- references between nodes -------------------------------------------------------------------
     "ref_unknown_node.yaml": Expect("nodes.adv.inputs.rewards", 32, "'scores'"),
     "ref_unknown_port.yaml": Expect("nodes.adv.inputs.rewards", 32, "no output port 'reward'"),
