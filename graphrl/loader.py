@@ -9,6 +9,8 @@ Duplicate keys are refused (plain YAML silently keeps the last one).
 from __future__ import annotations
 
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -80,9 +82,17 @@ def _read_text(path: Path, error: type[GraphRLError]) -> str:
 MAX_VALUES = 1_000_000
 
 
+# Plain (unquoted) numbers that YAML 1.2 reads as floats but PyYAML's YAML 1.1 rules as strings: an
+# exponent without a dot or without a sign (`1e-5`, `2.0e12`). The strict schemas would refuse them
+# as strings; a quoted "1e-5" stays a string.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
+
+
 def _scalar(node: yaml.Node, path: Path_, source: SourceMap, error: type[GraphRLError]) -> Any:
     """A scalar resolved with the safe loader's rules; a tag it cannot construct is a located error."""
     if node.tag == "tag:yaml.org,2002:str":
+        if isinstance(node, yaml.ScalarNode) and node.style is None and _EXPONENT_FLOAT.fullmatch(node.value):
+            return float(node.value)
         return node.value
     try:  # construct the node itself: a round trip through text loses empty values (`key:` is null)
         return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
@@ -243,9 +253,37 @@ def _describe(err: dict[str, Any], path: Path_, root: type[BaseModel], data: Any
         message = message[len("Value error, "):]
     if kind == "literal_error":
         return message.replace("Input should be", "must be"), None
+    if kind in _WANTED and "input" in err:
+        return _wrong_scalar(_WANTED[kind], err["input"])
+    if kind == "finite_number":
+        return (f"must be a finite number (got {err.get('input')!r})",
+                "infinity and nan are no value a run can use; write a finite number")
     if "input" in err and not isinstance(err["input"], (dict, list)):
         message = f"{message} (got {err['input']!r})"
     return message, None
+
+
+_WANTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false"}
+
+
+def _wrong_scalar(wanted: str, value: Any) -> tuple[str, str | None]:
+    """The message for a value of the wrong scalar type: say what was given, and the likely fix."""
+    if isinstance(value, bool):
+        return f"must be {wanted}, not a boolean (got {str(value).lower()})", f"write {wanted}"
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return f"must be {wanted}, not a string (got {value!r})", None
+        if not math.isfinite(number):
+            return (f"must be a finite number, not the string {value!r}",
+                    "infinity and nan are no value a run can use; write a finite number")
+        return f"must be {wanted}, not a string (got {value!r})", "write the number without quotes"
+    if isinstance(value, float) and wanted == "an integer":
+        return f"must be an integer (got {value!r})", f"write {int(value)}" if value.is_integer() else None
+    if isinstance(value, (dict, list)):
+        return f"must be {wanted}, not a {'mapping' if isinstance(value, dict) else 'list'}", None
+    return f"must be {wanted} (got {value!r})", None
 
 
 def validation_error(exc: ValidationError, root: type[BaseModel], data: Any, source: SourceMap,
