@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -29,18 +29,29 @@ Path_ = tuple[str | int, ...]
 
 @dataclass
 class SourceMap:
-    """Field path -> position in the file it came from."""
+    """Field path -> position in the file it came from, or the command-line option that set it."""
 
     file: str | None
     positions: dict[Path_, tuple[int, int]] = field(default_factory=dict)
+    overrides: dict[Path_, str] = field(default_factory=dict)  # path -> the option as written, e.g. '--set a.b=1'
 
     def locate(self, path: Path_) -> Location:
-        """The position of `path`, or of its closest ancestor that has one."""
+        """Where `path` (or its closest ancestor that has a place) was written: an option, or the file."""
         for cut in range(len(path), -1, -1):
-            pos = self.positions.get(tuple(path[:cut]))
+            here = tuple(path[:cut])
+            if here in self.overrides:
+                return Location(self.overrides[here])
+            pos = self.positions.get(here)
             if pos is not None:
                 return Location(self.file, pos[0], pos[1])
         return Location(self.file)
+
+    def overridden(self, path: Path_, origin: str) -> "SourceMap":
+        """This map with `path` (and everything below it) now set by the option `origin`."""
+        cut = len(path)
+        keep = lambda p: tuple(p[:cut]) != path  # noqa: E731
+        return SourceMap(self.file, {p: v for p, v in self.positions.items() if keep(p)},
+                         {**{p: v for p, v in self.overrides.items() if keep(p)}, path: origin})
 
 
 @dataclass(frozen=True)
@@ -315,6 +326,115 @@ def load_job(path: str | Path) -> LoadedJob:
     return load_job_text(_read_text(path, JobError), str(path))
 
 
+# --- overrides: `--set KEY=VALUE` ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Override:
+    """One command-line change to a job: a field path, its new value, and the option as the user wrote it."""
+
+    path: Path_
+    value: Any
+    origin: str
+
+
+# Mappings whose keys name things the job declares: an override changes them, it never adds one.
+_DECLARED_NAMES = {("models",): "model", ("nodes",): "node"}
+
+
+def parse_override(text: str) -> Override:
+    """`KEY=VALUE` from `--set`: KEY is a dotted field path (`placement.roles.policy/generate.tp`), VALUE
+    is read as YAML (`20`, `1e-4`, `true`, `null`, `0-3`, `[a, b]`); an empty VALUE is null."""
+    origin = f"--set {text}"
+    key, sep, raw = text.partition("=")
+    parts = tuple(part.strip() for part in key.split("."))
+    if not sep or not all(parts):
+        raise JobError(f"{text!r} is not KEY=VALUE with a dotted KEY", location=Location(origin),
+                       fix="e.g. --set schedule.checkpoint_every=20 --set placement.roles.policy/generate.tp=2")
+    value = parse_yaml(raw, origin, JobError)[0] if raw.strip() else None
+    return Override(parts, value, origin)
+
+
+def _schema_types(annotation: Any, data: Any) -> list[Any]:
+    """The types `annotation` allows for `data`; a tagged union (the nodes) narrowed by the data's `op`."""
+    kinds = _unwrap(annotation)
+    models = [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]
+    if len(models) > 1 and isinstance(data, dict):
+        tagged = [m for m in models if "op" in m.model_fields and m.model_fields["op"].default == data.get("op")]
+        if tagged:
+            return tagged
+    return kinds
+
+
+def _describe_type(kinds: list[Any]) -> str:
+    names = [getattr(t, "__name__", str(t)) for t in kinds if t is not type(None)]
+    return " or ".join(names) or "null"
+
+
+def _assign(data: dict[str, Any], o: Override) -> None:
+    """Set `o.path` in the plain job data `data`, walking the schema beside it so that a wrong path is
+    refused at the first key that does not exist, with the keys that do."""
+    where = Location(o.origin)
+    annotation: Any = JobSpec
+    container: Any = data
+    for depth, part in enumerate(o.path):
+        here, last = o.path[:depth], depth == len(o.path) - 1
+        kinds = _schema_types(annotation, container)
+        models = [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]
+        mappings = [t for t in kinds if typing.get_origin(t) is dict]
+        sequences = [t for t in kinds if typing.get_origin(t) in (list, tuple)]
+        key: str | int = part
+        if models and isinstance(container, dict):
+            model = models[0]
+            if part not in model.model_fields:
+                allowed = list(model.model_fields)
+                close = difflib.get_close_matches(part, allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise JobError(f"unknown key {part!r}", path=here + (part,), location=where,
+                               fix=f"{hint}keys {'under ' + format_path(here) if here else 'of a job'}: {', '.join(allowed)}")
+            annotation = model.model_fields[part].annotation
+        elif mappings and isinstance(container, dict):
+            noun = _DECLARED_NAMES.get(tuple(here))
+            if noun is not None and part not in container:
+                raise JobError(f"the job has no {noun} {part!r}", path=here + (part,), location=where,
+                               fix=f"{noun}s of this job: {', '.join(container)}")
+            annotation = typing.get_args(mappings[0])[-1]
+        elif sequences and isinstance(container, list):
+            if not part.isdigit() or int(part) >= len(container):
+                raise JobError(f"{part!r} is not an index of this list of {len(container)}", path=here + (part,),
+                               location=where, fix=f"use 0-{len(container) - 1}, or set the whole list: "
+                                                   f"--set {format_path(here)}=[...]")
+            key = int(part)
+            args = typing.get_args(sequences[0])
+            annotation = args[min(key, len(args) - 1)] if typing.get_origin(sequences[0]) is tuple else args[0]
+        else:
+            raise JobError(f"this is a value ({_describe_type(kinds)}), not a section with keys",
+                           path=here, location=where, fix=f"set it directly: --set {format_path(here)}=VALUE")
+        if last:
+            container[key] = o.value
+            return
+        child = container[key] if isinstance(container, list) else container.get(key)
+        if child is None:  # an unset section (`placement.roles.policy`, `models.policy.dims`) starts empty
+            child = container[key] = {}
+        container = child
+
+
+def apply_overrides(job: LoadedJob, overrides: Sequence[Override]) -> LoadedJob:
+    """The job with each override applied in order and validated exactly as a job file is; errors name the
+    field path and the option that set it."""
+    if not overrides:
+        return job
+    data = job.spec.model_dump(mode="json")  # plain data, as a YAML file would give
+    source = job.source
+    for o in overrides:
+        _assign(data, o)
+        source = source.overridden(o.path, o.origin)
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, JobSpec, data, source, JobError) from None
+    return LoadedJob(spec, source, job.path)
+
+
 def load_cluster(ref: str | Path, base_dir: Path | None = None) -> ClusterSpec:
     """A cluster preset by name, or a cluster YAML file (relative paths from `base_dir`)."""
     name = str(ref)
@@ -354,4 +474,5 @@ def job_cluster(job: LoadedJob, override: str | None) -> ClusterSpec:
         raise
 
 
-__all__ = ["LoadedJob", "SourceMap", "format_path", "job_cluster", "load_cluster", "load_job", "load_job_text"]
+__all__ = ["LoadedJob", "Override", "SourceMap", "apply_overrides", "format_path", "job_cluster", "load_cluster",
+           "load_job", "load_job_text", "parse_override"]
