@@ -405,7 +405,10 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
     hint = p.hint(role.name)
     out = []
     tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(n, 2 * p.per_node)) if _tp_ok(role, t)]
-    pps = [hint.pp] if hint.pp else [q for q in _pow2_upto(min(n, 16)) if q <= role.dims.num_layers]
+    # The executors do not run pipeline parallelism yet, so the search never proposes it: a plan the
+    # search chooses must run. A pinned pp is still laid out and costed (the preview shows it), and
+    # `graphrl run` refuses it up front.
+    pps = [hint.pp] if hint.pp else [1]
     shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
     offloads = [hint.offload] if hint.offload is not None else [False, True]
     for tp in tps:

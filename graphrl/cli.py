@@ -355,6 +355,22 @@ def _override(loaded: LoadedJob, *, steps: int | None = None, seed: int | None =
     return apply_overrides(loaded, overrides)
 
 
+def refuse_unrunnable(plan, loaded: LoadedJob) -> None:  # noqa: ANN001
+    """Stop before starting ranks when the plan holds a layout the executors cannot run: pipeline
+    parallelism, which the search never chooses but a pin can ask for (compile and simulate still show it)."""
+    from graphrl.errors import RunError
+
+    staged = {p.role: p.pp for p in plan.chosen.placements if p.pp > 1}
+    if not staged:
+        return
+    pins = [key for key, hint in loaded.spec.placement.roles.items() if key in staged and hint.pp == staged[key]]
+    assert pins, f"the search chose pipeline parallelism for {sorted(staged)} without a pin"
+    path = ("placement", "roles", pins[0], "pp")
+    raise RunError(f"pp {staged[pins[0]]}: pipeline-parallel execution is not supported yet; this plan can be "
+                   "compiled and simulated, not run", path=path, location=loaded.source.locate(path),
+                   fix=f"drop the pin (--set {format_path(path)}=) to let the search choose a layout that runs")
+
+
 @main.command()
 @click.argument("job", type=click.Path(path_type=str))
 @click.option("--cluster", "-c", help="Cluster preset or file; overrides the job's.")
@@ -379,6 +395,7 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
 
     loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
     plan = compile_job(loaded, job_cluster(loaded, cluster))
+    refuse_unrunnable(plan, loaded)
     out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
     start_step, resume_from = 0, None
     if resume:
@@ -447,6 +464,7 @@ def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: 
 
     loaded = _override(load_with_sets(job, sets), steps=steps)
     plan = compile_job(loaded, job_cluster(loaded, cluster))
+    refuse_unrunnable(plan, loaded)
     plan_path, script = write_launch(plan, emit, output, port=port)
     click.echo(f"wrote {plan_path} and {script}")
 
