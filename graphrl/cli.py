@@ -24,6 +24,7 @@ from graphrl import __version__
 from graphrl.errors import GraphRLError, InternalError, JobError, Location, format_path
 from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob, Override, SourceMap, apply_overrides, job_cluster, load_job, parse_override
+from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import JobSpec
 
 EXIT_USER_ERROR = 2
@@ -95,14 +96,14 @@ def load_with_sets(path: str, sets: tuple[str, ...] = ()) -> LoadedJob:
     return apply_overrides(load_any(path), [parse_override(text) for text in sets])
 
 
-def checked_graph(job: LoadedJob) -> JobGraph:
-    """Build and typecheck the graph; errors are located in the job file."""
+def checked_graph(job: LoadedJob, cluster: ClusterSpec | None = None) -> JobGraph:
+    """Build and typecheck the graph (pins against `cluster` when given); errors are located in the job file."""
     from graphrl.compiler.passes import CompileContext, run_passes
     from graphrl.compiler.pipeline import FRONT
 
     try:
         graph = build_graph(job.spec)
-        return run_passes(graph, CompileContext(job.spec), FRONT)
+        return run_passes(graph, CompileContext(job.spec, cluster), FRONT)
     except GraphRLError as exc:
         if exc.path and exc.location is None:
             exc.location = job.source.locate(exc.path)
@@ -127,9 +128,9 @@ def main(debug: bool) -> None:
 def validate(job: str, sets: tuple[str, ...]) -> None:
     """Check JOB (a YAML file, or a Python file with build_job()) and print a one-line summary."""
     loaded = load_with_sets(job, sets)
-    graph = checked_graph(loaded)
-    if loaded.spec.cluster is not None:  # the job's default cluster must resolve too
-        job_cluster(loaded, None)
+    # The job's default cluster must resolve too, and its pins must fit that cluster's devices.
+    cluster = job_cluster(loaded, None) if loaded.spec.cluster is not None else None
+    graph = checked_graph(loaded, cluster)
     warn(graph)
     n_nodes = sum(1 for _ in graph.nodes())
     click.echo(

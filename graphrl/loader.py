@@ -36,7 +36,13 @@ class SourceMap:
     overrides: dict[Path_, str] = field(default_factory=dict)  # path -> the option as written, e.g. '--set a.b=1'
 
     def locate(self, path: Path_) -> Location:
-        """Where `path` (or its closest ancestor that has a place) was written: an option, or the file."""
+        """Where `path` (or its closest ancestor that has a place) was written: an option, or the file.
+        A key that only an option created (`--set placement.roles.x.tp=2` made `placement.roles.x`) is
+        located at that option."""
+        if tuple(path) not in self.positions:
+            below = [origin for p, origin in self.overrides.items() if tuple(p[:len(path)]) == tuple(path)]
+            if below:
+                return Location(below[-1])
         for cut in range(len(path), -1, -1):
             here = tuple(path[:cut])
             if here in self.overrides:
@@ -266,6 +272,8 @@ def _describe(err: dict[str, Any], path: Path_, root: type[BaseModel], data: Any
         return message.replace("Input should be", "must be"), None
     if kind in _WANTED and "input" in err:
         return _wrong_scalar(_WANTED[kind], err["input"])
+    if kind == "string_type" and isinstance(err.get("input"), (int, float)) and not isinstance(err["input"], bool):
+        return f"must be a string (got {err['input']!r})", f"quote it: \"{err['input']}\""
     if kind == "finite_number":
         return (f"must be a finite number (got {err.get('input')!r})",
                 "infinity and nan are no value a run can use; write a finite number")
