@@ -165,12 +165,18 @@ def graph(job: str, fmt: str, sets: tuple[str, ...]) -> None:
 
 
 
-def _compile(job: str, cluster: str | None, sets: tuple[str, ...] = (), **options):  # noqa: ANN201
-    from graphrl.compiler.compile import compile_job
-    from graphrl.loader import job_cluster
+def compile_loaded(loaded: LoadedJob, cluster: str | None, **options):  # noqa: ANN201
+    """The plan of a loaded job; the compiler's warnings (pins a layout ignores, ...) go to stderr."""
+    from graphrl.compiler.compile import compile_graph, plan_of
 
-    loaded = load_with_sets(job, sets)
-    return compile_job(loaded, job_cluster(loaded, cluster), **options)
+    resolved = job_cluster(loaded, cluster)
+    graph = compile_graph(loaded, resolved, **options)
+    warn(graph)
+    return plan_of(graph, resolved)
+
+
+def _compile(job: str, cluster: str | None, sets: tuple[str, ...] = (), **options):  # noqa: ANN201
+    return compile_loaded(load_with_sets(job, sets), cluster, **options)
 
 
 @main.command(name="compile")
@@ -338,6 +344,7 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
         loaded = load_with_sets(target, sets)
         resolved = job_cluster(loaded, cluster)
         graph = compile_graph(loaded, resolved, steps=steps)
+        warn(graph)
         plan = plan_of(graph, resolved)
     report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text")
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
@@ -389,13 +396,11 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         strategy: str | None, out: Path | None, resume: bool, profile: Path | None, profile_memory: bool,
         quiet: bool, sets: tuple[str, ...]) -> None:
     """Compile JOB and run it: one process per rank on this machine."""
-    from graphrl.compiler.compile import compile_job
     from graphrl.executors.launcher import launch_local
     from graphrl.executors.outputs import latest_checkpoint
-    from graphrl.loader import job_cluster
 
     loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
-    plan = compile_job(loaded, job_cluster(loaded, cluster))
+    plan = compile_loaded(loaded, cluster)
     refuse_unrunnable(plan, loaded)
     out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
     start_step, resume_from = 0, None
@@ -459,12 +464,10 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
 def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: Path, port: int,
            sets: tuple[str, ...]) -> None:
     """Compile JOB and write a torchrun or SLURM script that runs `python -m graphrl.executors PLAN`."""
-    from graphrl.compiler.compile import compile_job
     from graphrl.executors.scripts import write_launch
-    from graphrl.loader import job_cluster
 
     loaded = _override(load_with_sets(job, sets), steps=steps)
-    plan = compile_job(loaded, job_cluster(loaded, cluster))
+    plan = compile_loaded(loaded, cluster)
     refuse_unrunnable(plan, loaded)
     plan_path, script = write_launch(plan, emit, output, port=port)
     click.echo(f"wrote {plan_path} and {script}")
