@@ -307,12 +307,16 @@ def _wrong_scalar(wanted: str, value: Any) -> tuple[str, str | None]:
 
 def validation_error(exc: ValidationError, root: type[BaseModel], data: Any, source: SourceMap,
                      error: type[GraphRLError]) -> GraphRLError:
-    errors = exc.errors()
-    first = errors[0]
-    path = _data_path(tuple(first["loc"]), data)
+    # One error per field: the members of a union (`options` values) each report the same value, and
+    # "not finite" says more about an inf than "not an integer" does.
+    by_path: dict[Path_, list[dict[str, Any]]] = {}
+    for err in exc.errors():
+        by_path.setdefault(_data_path(tuple(err["loc"]), data), []).append(err)
+    path, errors = next(iter(by_path.items()))
+    first = next((e for e in errors if e["type"] == "finite_number"), errors[0])
     message, fix = _describe(first, path, root, data)
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    if len(by_path) > 1:
+        message += f" (and {len(by_path) - 1} more error{'s' if len(by_path) > 2 else ''})"
     return error(message, path=path, fix=fix, location=source.locate(path))
 
 

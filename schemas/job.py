@@ -51,7 +51,7 @@ class DatasetNode(_Node):
     task: str = Field(description="Registered task name or 'module:function' returning a task.")
     batch_size: Integer = Field(gt=0, description="Prompts per step (global).")
     prompt_len: Integer = Field(gt=0, description="Longest prompt in tokens; prompts are left-padded to it.")
-    options: dict[str, int | float | str | bool] = Field(
+    options: dict[str, Integer | Real | str | Boolean] = Field(
         default_factory=dict, description="Task-specific options (e.g. num_digits)."
     )
 

@@ -48,3 +48,12 @@ def test_python_jobs_are_as_strict_as_yaml() -> None:
 def test_cluster_files_are_strict_too(field: str, value: object) -> None:
     with pytest.raises(ValueError):
         ClusterSpec(**{"name": "c", "num_nodes": 1, "devices_per_node": 2, "hardware": "cpu-local", field: value})
+
+
+def test_task_options_refuse_non_finite_values_with_one_message() -> None:
+    """An option's value may be any scalar, but not inf: the union's four member errors are one field's
+    error, and the finite-number one is reported."""
+    with pytest.raises(JobError) as info:
+        load_job_text(EXAMPLE.replace("options: {num_digits: 4}", "options: {num_digits: .inf}"), "job.yaml")
+    assert info.value.path == ("nodes", "prompts", "options", "num_digits")
+    assert info.value.message == "must be a finite number (got inf)"
