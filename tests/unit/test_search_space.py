@@ -56,10 +56,12 @@ def test_a_pinned_pp_is_still_laid_out_for_the_preview() -> None:
     assert result.ranked and all(ev.train.pp == 2 for ev in result.ranked)
 
 
-def test_run_refuses_a_pinned_pp_before_starting_ranks(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    result = CliRunner().invoke(main, ["run", str(EXAMPLES / "grpo_tiny.yaml"), "--steps", "1", "--out", str(out),
-                                       "--quiet", "--set", "placement.roles.policy.pp=2"])
+@pytest.mark.parametrize("command", ["run", "launch"])
+def test_run_and_launch_refuse_a_pinned_pp_up_front(command: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--quiet"] if command == "run" else ["--emit", "torchrun", "-o", str(out)]
+    result = CliRunner().invoke(main, [command, str(EXAMPLES / "grpo_tiny.yaml"), "--steps", "1", *args,
+                                       "--set", "placement.roles.policy.pp=2"])
     assert result.exit_code == 2, result.output
     assert "placement.roles.policy.pp: pp 2: pipeline-parallel execution is not supported yet" in result.stderr
-    assert "Traceback" not in result.output and not (out / "metrics.jsonl").exists()
+    assert "Traceback" not in result.output and not out.exists()  # nothing started, nothing written
