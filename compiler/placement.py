@@ -43,6 +43,7 @@ from graphrl.schemas.plan import (
 
 from graphrl.compiler import cost
 from graphrl.compiler.roles import Role, Workload, derive_roles, derive_workload
+from graphrl.compiler.typecheck import tp_split_problem
 
 GB = 1e9
 # Bytes of one response in flight between meshes: prompt and response ids (int64), masks (bool),
@@ -176,8 +177,7 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def _tp_ok(role: Role, tp: int) -> bool:
-    d = role.dims
-    return d.num_heads % tp == 0 and (d.num_kv_heads % tp == 0 or tp % d.num_kv_heads == 0)
+    return tp_split_problem(role.dims, tp) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -405,7 +405,10 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
     hint = p.hint(role.name)
     out = []
     tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(n, 2 * p.per_node)) if _tp_ok(role, t)]
-    pps = [hint.pp] if hint.pp else [q for q in _pow2_upto(min(n, 16)) if q <= role.dims.num_layers]
+    # The executors do not run pipeline parallelism yet, so the search never proposes it: a plan the
+    # search chooses must run. A pinned pp is still laid out and costed (the preview shows it), and
+    # `graphrl run` refuses it up front.
+    pps = [hint.pp] if hint.pp else [1]
     shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
     offloads = [hint.offload] if hint.offload is not None else [False, True]
     for tp in tps:
@@ -413,9 +416,12 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
             if n % (tp * pp):
                 continue
             d = n // (tp * pp)
-            splits = [(hint.dp or 1, d // (hint.dp or 1))] if hint.dp else [(1, d)]
-            if hint.fsdp:
+            if hint.dp and hint.fsdp:  # both pinned: both honoured (their product must fill the mesh)
+                splits = [(hint.dp, hint.fsdp)]
+            elif hint.fsdp:
                 splits = [(d // hint.fsdp, hint.fsdp)]
+            else:
+                splits = [(hint.dp, d // hint.dp)] if hint.dp else [(1, d)]
             for dp, fsdp in splits:
                 if dp * fsdp != d or dp < 1 or fsdp < 1:
                     continue
@@ -434,7 +440,8 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     hint = p.hint(role.name)
     tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(n, 2 * p.per_node)) if _tp_ok(role, t)]
     precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if p.hw.peak_fp8_flops > 0 else ["bf16"])
-    return [GenCfg(first, n, tp, prec) for tp in tps if n % tp == 0 for prec in precisions]
+    return [GenCfg(first, n, tp, prec) for tp in tps if n % tp == 0 and (not hint.dp or hint.dp * tp == n)
+            for prec in precisions]
 
 
 def _splits(p: Problem) -> list[tuple[int, int, int, int]]:
