@@ -72,8 +72,10 @@ def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Pa
         pl = graph["placement"]
         problem, ev = pl["problem"], pl["chosen_eval"]
         if layout.strategy == "disaggregated":
-            sync_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode="sync"))
-            async_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode="async"))
+            # The chosen programs already run under the job's own schedule; build only the other one.
+            other = "sync" if plan.job.schedule.mode == "async" else "async"
+            other_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode=other))
+            sync_s, async_s = (other_s, chosen.step_time_s) if other == "sync" else (chosen.step_time_s, other_s)
         if pl["baseline_eval"] is not None:
             baseline_s = step_time(build_programs(graph, problem, pl["baseline_eval"], pl["baseline"], steps=steps,
                                                   mode="sync"))
