@@ -169,8 +169,11 @@ def compile_loaded(loaded: LoadedJob, cluster: str | None, **options):  # noqa: 
     """The plan of a loaded job; the compiler's warnings (pins a layout ignores, ...) go to stderr."""
     from graphrl.compiler.compile import compile_graph, plan_of
 
+    from graphrl.progress import progress
+
     resolved = job_cluster(loaded, cluster)
-    graph = compile_graph(loaded, resolved, **options)
+    with progress(f"compiling {loaded.spec.name}") as report:
+        graph = compile_graph(loaded, resolved, progress=report, **options)
     warn(graph)
     return plan_of(graph, resolved)
 
@@ -332,6 +335,7 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
     """Simulate TARGET: a plan file exactly as it is, or a job compiled once (then also its sync and async
     schedules and the baseline layout). Seconds per step, busy fractions, timeline."""
     from graphrl.compiler.simreport import simulate_report
+    from graphrl.progress import progress
 
     if _is_plan_file(target):
         if sets:
@@ -343,10 +347,12 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
 
         loaded = load_with_sets(target, sets)
         resolved = job_cluster(loaded, cluster)
-        graph = compile_graph(loaded, resolved, steps=steps)
+        with progress(f"compiling {loaded.spec.name}") as stage:
+            graph = compile_graph(loaded, resolved, steps=steps, progress=stage)
         warn(graph)
         plan = plan_of(graph, resolved)
-    report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text")
+    with progress(f"simulating {plan.job.name} on {plan.programs.num_ranks if plan.programs else 0} ranks") as stage:
+        report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text", progress=stage)
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
 
 
