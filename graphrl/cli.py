@@ -165,17 +165,22 @@ def graph(job: str, fmt: str, sets: tuple[str, ...]) -> None:
 
 
 
-def compile_loaded(loaded: LoadedJob, cluster: str | None, **options):  # noqa: ANN201
-    """The plan of a loaded job; the compiler's warnings (pins a layout ignores, ...) go to stderr."""
+def compile_loaded_graph(loaded: LoadedJob, cluster: str | None, **options):  # noqa: ANN201
+    """(compiled graph, its plan) of a loaded job, with a progress line on a terminal; the compiler's
+    warnings (pins a layout ignores, ...) go to stderr."""
     from graphrl.compiler.compile import compile_graph, plan_of
-
     from graphrl.progress import progress
 
     resolved = job_cluster(loaded, cluster)
     with progress(f"compiling {loaded.spec.name}") as report:
         graph = compile_graph(loaded, resolved, progress=report, **options)
     warn(graph)
-    return plan_of(graph, resolved)
+    return graph, plan_of(graph, resolved)
+
+
+def compile_loaded(loaded: LoadedJob, cluster: str | None, **options):  # noqa: ANN201
+    """The plan of a loaded job (see `compile_loaded_graph`)."""
+    return compile_loaded_graph(loaded, cluster, **options)[1]
 
 
 def _compile(job: str, cluster: str | None, sets: tuple[str, ...] = (), **options):  # noqa: ANN201
@@ -342,15 +347,7 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
             click.echo("warning: --set changes a job; it is ignored for a compiled plan file", err=True)
         plan, graph = _load_plan_or_compile(target, cluster, steps=steps), None
     else:
-        from graphrl.compiler.compile import compile_graph, plan_of
-        from graphrl.loader import job_cluster
-
-        loaded = load_with_sets(target, sets)
-        resolved = job_cluster(loaded, cluster)
-        with progress(f"compiling {loaded.spec.name}") as stage:
-            graph = compile_graph(loaded, resolved, steps=steps, progress=stage)
-        warn(graph)
-        plan = plan_of(graph, resolved)
+        graph, plan = compile_loaded_graph(load_with_sets(target, sets), cluster, steps=steps)
     with progress(f"simulating {plan.job.name} on {plan.programs.num_ranks if plan.programs else 0} ranks") as stage:
         report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text", progress=stage)
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
