@@ -51,6 +51,7 @@ from graphrl.executors.outputs import MetricsWriter, save_checkpoint
 from graphrl.executors.parallel import full_state_dict, wrap_trainer
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import Runtime
+from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
 
 ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "behaviour_logprobs")
@@ -120,6 +121,8 @@ class RankExecutor:
         gen_node = next(n for n in self.graph.nodes() if n.op == "generate")
         data_node = next(n for n in self.graph.nodes() if n.op == "dataset")
         self.gen_node, self.data_node = gen_node, data_node
+        # The policy is the model the rollouts are sampled from; its training role is named after it.
+        self.policy_role = gen_node.spec.model
         self.last_train_node = [n for n in self.graph.topo_order() if self.nodes[n].op == "train"][-1]
         self.group_size = gen_node.spec.samples_per_prompt
         self.task = resolve_callable(data_node.spec.task, TASKS, "task")(**data_node.spec.options)
@@ -162,13 +165,14 @@ class RankExecutor:
         for p in self.plan.chosen.placements:
             if not self._mesh_has_me(p):
                 continue
-            if p.tp > 1 or p.pp > 1:
-                raise RunError(f"role {p.role}: tensor/pipeline parallel execution (tp={p.tp}, pp={p.pp}) is not "
-                               "supported by this executor yet", fix="pin tp: 1 and pp: 1 for this role")
+            if p.pp > 1 or (p.tp > 1 and p.kind != "generate"):
+                raise RunError(f"role {p.role} ({p.kind}): tensor/pipeline parallel execution (tp={p.tp}, "
+                               f"pp={p.pp}) is not supported by this executor yet (it runs tp > 1 for generation "
+                               "only)", fix="pin tp: 1 and pp: 1 for this role")
             spec = self.job.models[p.model]
             dims = spec.resolved_dims()
             dtype = _DTYPES[spec.dtype]
-            if p.kind == "generate" and colocated and p.model in self.roles and \
+            if p.kind == "generate" and p.tp == 1 and colocated and p.model in self.roles and \
                     self.roles[p.model].wrapping != "fsdp2":
                 # Colocated: generation reads the trainer's own (replicated) weights; nothing to copy.
                 self.roles[p.role] = RoleState(p, self.roles[p.model].module)
@@ -182,6 +186,8 @@ class RankExecutor:
 
                 _, state = load_hf_checkpoint(spec.checkpoint)
                 module.load_state_dict(state, strict=not is_critic)
+            if p.kind == "generate" and p.tp > 1:
+                module = TensorParallelLlama.from_full(module, self._tensor_parallel_group(p))
             state = RoleState(p, module)
             if p.kind == "train":
                 lr = next((n.spec.lr for n in self.graph.nodes() if n.op == "train" and n.spec.model == p.model and n.spec.lr), None)
@@ -200,6 +206,16 @@ class RankExecutor:
                     if self.roles[role].optimizer is not None and saved.get("optimizer") is not None:
                         self.roles[role].optimizer.load_state_dict(saved["optimizer"])
                     self.roles[role].version = int(saved["version"])
+
+    def _tensor_parallel_group(self, p: RolePlacement) -> TensorParallelGroup:
+        """This rank's place in the group its Generate instructions name (one generator replica)."""
+        name = next((ins.group for ins in self.programs.rank_stream(self.rank)
+                     if isinstance(ins, Generate) and ins.role == p.role), None)
+        ranks = self.programs.groups.get(name) if name is not None else None
+        if ranks is None or len(ranks) != p.tp or self.rank not in ranks:
+            raise RunError(f"rank {self.rank}: role {p.role} has tp={p.tp}, but its Generate instructions name "
+                           f"group {name!r} with ranks {ranks}", fix="recompile the plan")
+        return TensorParallelGroup(list(ranks).index(self.rank), p.tp, self.rt.group(name))
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -398,7 +414,7 @@ class RankExecutor:
             metrics["loss"] = float(loss.detach())
             metrics["grad_norm"] = float(grad_norm)
         role.version = ins.version
-        if ins.role == self.plan.chosen.placements[0].role:
+        if ins.role == self.policy_role:
             self._report(ins, r, metrics)
         if ins.node == self.last_train_node:  # the step's data is no longer needed
             for key in [k for k in self.values if k[0] <= ins.step]:
@@ -482,7 +498,9 @@ class RankExecutor:
         src, dst = self.roles[ins.src_role], self.roles[ins.dst_role]
         if src.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
-        if dst.module is not src.module:
+        if isinstance(dst.module, TensorParallelLlama):
+            dst.module.load_full(full_state_dict(src.module))  # keeps only this rank's shards
+        elif dst.module is not src.module:
             dst.module.load_state_dict(full_state_dict(src.module))
         dst.version = ins.version
 

@@ -272,6 +272,11 @@ class Llama(nn.Module):
         )
         _init_weights(self)
 
+    def allocate_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                          device: torch.device | str) -> KVCache:
+        """An empty cache for this model's key/value heads (a tensor-parallel shard holds only its own)."""
+        return KVCache.allocate(self.dims, batch_size, max_len, dtype=dtype, device=device)
+
     def hidden_states(
         self,
         input_ids: Tensor,
@@ -446,9 +451,7 @@ def generate(
     batch_size, prompt_len = prompt_ids.shape
     device = prompt_ids.device
     param = next(model.parameters())
-    cache = KVCache.allocate(
-        model.dims, batch_size, prompt_len + max_new_tokens, dtype=param.dtype, device=device
-    )
+    cache = model.allocate_kv_cache(batch_size, prompt_len + max_new_tokens, dtype=param.dtype, device=device)
     response_ids = torch.full((batch_size, max_new_tokens), pad_id, dtype=torch.int64, device=device)
     response_mask = torch.zeros(batch_size, max_new_tokens, dtype=torch.bool, device=device)
     logprobs = torch.zeros(batch_size, max_new_tokens, dtype=torch.float32, device=device)
