@@ -177,7 +177,7 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def _tp_ok(role: Role, tp: int) -> bool:
-    return tp_split_problem(role.dims, tp) is None
+    return tp_split_problem(role.dims, tp, role.kind) is None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -241,12 +241,15 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
 
 # --- placement pins -----------------------------------------------------------------------------------
 
-def tp_split_problem(dims: ModelDims, tp: int) -> str | None:
-    """Why `tp` tensor-parallel shards cannot split this model evenly, or None when they can: the query
-    heads and the feed-forward width divide by tp; the KV heads divide by tp, or (fewer KV heads than
-    shards) tp divides by them and each KV head is replicated on tp / num_kv_heads shards."""
+def tp_split_problem(dims: ModelDims, tp: int, kind: str = "generate") -> str | None:
+    """Why `tp` tensor-parallel shards cannot split this model evenly for a role of `kind`, or None when
+    they can: the query heads and the feed-forward width divide by tp; the KV heads divide by tp, or,
+    for generation only (fewer KV heads than shards), tp divides by them and each KV head is replicated
+    on tp / num_kv_heads shards. A trainer's shards are DTensors of one layout, which never replicate."""
     if dims.num_heads % tp:
         return f"tp {tp} does not divide the {dims.num_heads} attention heads"
+    if kind == "train" and dims.num_kv_heads % tp:
+        return f"tp {tp} does not divide the {dims.num_kv_heads} KV heads (a trainer does not replicate KV heads)"
     if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
         return (f"tp {tp} neither divides the {dims.num_kv_heads} KV heads nor is a multiple of them "
                 "(to replicate each KV head)")
@@ -292,7 +295,7 @@ def _pow2_upto(n: int) -> list[int]:
 def _layout_exists(role: Role, hint: RoleHint, size: int, per_node: int) -> bool:
     """Whether some layout of `size` devices that the search enumerates honours the role's pins."""
     tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(size, 2 * per_node))
-                                     if tp_split_problem(role.dims, t) is None]
+                                     if tp_split_problem(role.dims, t, role.kind) is None]
     if role.kind == "generate":
         return any(size % tp == 0 and (not hint.dp or hint.dp * tp == size) for tp in tps)
     for tp in tps:
@@ -410,8 +413,8 @@ def _check_pins(graph: JobGraph, cluster: ClusterSpec | None) -> tuple[str, ...]
                             f"{'/'.join(unused)}")
         if hint.devices is not None and placement.strategy == "colocated":
             warnings.append(f"{'.'.join(path)}.devices: ignored: a colocated layout puts every role on every device")
-        if hint.tp is not None and (why := tp_split_problem(role.dims, hint.tp)) is not None:
-            valid = [t for t in range(1, role.dims.num_heads + 1) if tp_split_problem(role.dims, t) is None]
+        if hint.tp is not None and (why := tp_split_problem(role.dims, hint.tp, role.kind)) is not None:
+            valid = [t for t in range(1, role.dims.num_heads + 1) if tp_split_problem(role.dims, t, role.kind) is None]
             raise PlacementError(f"{why} (model {role.model!r})", path=path + ("tp",),
                                  fix=f"use a tp that splits this model: {', '.join(map(str, valid))}")
         if role.kind == "train" and hint.pp is not None and hint.pp > role.dims.num_layers:

@@ -3,7 +3,7 @@
 A generator role with `tp = t` runs on a group of t ranks; each holds the shards below, runs the same
 KV-cache generation loop as the unsharded model (`models/llama.py:generate`) and samples the same
 tokens. The shards are exactly the regions `compiler/layout.py:llama_param_layout` gives the
-generator mesh (dp x tp), cut with torch.tensor_split's convention, so a DDMA weight sync writes
+generator mesh (dp x tp), cut as DTensor's `Shard` cuts (`layout.chunk_bounds`), so a DDMA weight sync writes
 straight into them:
 
 - q/k/v/gate/up_proj: output rows split (column parallel): heads and SwiGLU features split;
@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from graphrl.compiler.layout import chunk_bounds
 from graphrl.errors import RunError
 from graphrl.schemas.model import ModelDims
 
@@ -46,13 +47,6 @@ _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
 _VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 _KV = ("k_proj", "v_proj")
-
-
-def split_bounds(length: int, num_pieces: int, index: int) -> tuple[int, int]:
-    """(start, stop) of piece `index` of `length` cut into `num_pieces` (torch.tensor_split)."""
-    q, r = divmod(length, num_pieces)
-    start = index * q + min(index, r)
-    return start, start + q + (1 if index < r else 0)
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -71,7 +65,7 @@ def tp_region(name: str, shape: tuple[int, ...], tp_rank: int, tp_size: int) -> 
     region = [(0, n) for n in shape]
     dim = tp_split_dim(name)
     if dim is not None:
-        region[dim] = split_bounds(shape[dim], tp_size, tp_rank)
+        region[dim] = chunk_bounds(shape[dim], tp_size, tp_rank)
     return tuple(region)
 
 
@@ -156,9 +150,9 @@ class TensorParallelLlama(Llama):
         heads = dims.num_heads // t
         kv_heads = max(kv // t, 1)
         factory = {"device": device, "dtype": dtype}
-        self.vocab_sizes = [b - a for a, b in (split_bounds(dims.vocab_size, t, i) for i in range(t))]
-        v_lo, v_hi = split_bounds(dims.vocab_size, t, r)
-        i_lo, i_hi = split_bounds(dims.intermediate_size, t, r)
+        self.vocab_sizes = [b - a for a, b in (chunk_bounds(dims.vocab_size, t, i) for i in range(t))]
+        v_lo, v_hi = chunk_bounds(dims.vocab_size, t, r)
+        i_lo, i_hi = chunk_bounds(dims.intermediate_size, t, r)
         self.model.embed_tokens = VocabParallelEmbedding(v_lo, v_hi - v_lo, h, tp, **factory)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -285,4 +279,4 @@ class TensorParallelLlama(Llama):
 
 
 __all__ = ["RowParallelLinear", "TensorParallelGroup", "TensorParallelLlama", "VocabParallelEmbedding",
-           "split_bounds", "tp_region", "tp_split_dim"]
+           "tp_region", "tp_split_dim"]

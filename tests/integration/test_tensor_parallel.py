@@ -7,7 +7,8 @@ What each case checks, against a full model built on every rank from the same se
 - after a DDMA weight sync planned by the compiler (`schedule._ddma`, stored as a plan stores it), from
   a full trainer and from an FSDP2-sharded one (DTensor shards), every generator shard equals the
   trainer's full tensor's region bit for bit, replicated KV heads included, and generation with the
-  synced shards samples what tp=1 samples with the trainer's weights.
+  synced shards samples what tp=1 samples with the trainer's weights; the same from an fsdp x tp
+  trainer (2-D DTensors, `parallelize_module` then `fully_shard`).
 
 Tolerance: tp changes only the order of float32 sums (each row-parallel layer adds t partial
 products instead of one; the vocabulary all-gather and the masked embedding are exact). The
@@ -38,14 +39,14 @@ import torch.multiprocessing as mp
 from graphrl.compiler import schedule
 from graphrl.compiler.schedule import MeshRanks
 from graphrl.executors.models.llama import Llama, generate
-from graphrl.executors.parallel import wrap_trainer
+from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
 from graphrl.schemas.model import ModelDims
 
 WORLD = 4
-# Vocabulary 30 and 90 SwiGLU features split unevenly over 4 ranks (8, 8, 7, 7 and 23, 23, 22, 22).
+# Vocabulary 30 and 90 SwiGLU features split unevenly over 4 ranks (8, 8, 8, 6 and 23, 23, 23, 21).
 DIMS = ModelDims(vocab_size=30, hidden_size=64, intermediate_size=90, num_layers=2, num_heads=4, num_kv_heads=2,
                  max_seq_len=64, rope_theta=10000.0)
 TIED = DIMS.model_copy(update={"tie_embeddings": True})
@@ -169,8 +170,22 @@ def case_sync_fsdp2_to_tp4_shared(rank: int, groups: dict[str, Any]) -> dict[str
     return _sync_and_check(rank, data, src, TensorParallelGroup(rank, 4, groups["0123"]), TIED)
 
 
+def case_sync_fsdp2xtp2_to_tp2(rank: int, groups: dict[str, Any]) -> dict[str, float]:
+    """fsdp2 x tp2 trainer on ranks 0-3 (2-D DTensors: tp shards, each cut again over fsdp, unevenly
+    for the 45 SwiGLU rows and 15 vocabulary rows of a tp shard), tp=2 generator on ranks 2-3."""
+    trainer_ranks = (0, 1, 2, 3)
+    data = stored_plan(MeshRanks(0, 4, 1, 2, 2, 1), generator(2, 2), DIMS)
+    src = seeded_model(DIMS, TRAINED_SEED)
+    grid = trainer_mesh_groups(trainer_ranks, 2, rank, TIMEOUT_S)
+    wrap_tensor_parallel_trainer(src, "fsdp", trainer_ranks, 2, grid, torch.device("cpu"))
+    assert all(p.to_local().shape != p.shape for p in src.parameters() if p.dim() == 2)
+    tp = TensorParallelGroup(rank - 2, 2, groups["23"]) if rank >= 2 else None
+    return _sync_and_check(rank, data, src, tp, DIMS)
+
+
 CASES = {f.__name__.removeprefix("case_"): f for f in (case_tp2_generation, case_tp4_generation_replicated_kv,
-                                                        case_sync_full_to_tp2, case_sync_fsdp2_to_tp4_shared)}
+                                                        case_sync_full_to_tp2, case_sync_fsdp2_to_tp4_shared,
+                                                        case_sync_fsdp2xtp2_to_tp2)}
 
 
 def rank_main(rank: int, port: int, out: Any) -> None:

@@ -120,9 +120,9 @@ EXPECTED: dict[str, Expect] = {
     "model_dims_heads_mismatch.yaml": Expect("models.policy.dims", 8, "not divisible by num_heads"),
     # -- placement and clusters ---------------------------------------------------------------------
     # -- pins the model or the hardware cannot hold (refused by validate, before any search or run) ---
-    "pin_tp_exceeds_devices.yaml": Expect("placement.roles.policy.tp", 52, "tp 4 needs 4 devices; the mesh of 'policy' has 1 or 2 devices"),
+    "pin_tp_exceeds_devices.yaml": Expect("placement.roles.policy/generate.tp", 52, "tp 4 needs 4 devices; the mesh of 'policy/generate' has 1 or 2 devices"),
     "pin_tp_not_dividing_heads.yaml": Expect("placement.roles.policy/generate.tp", 52, "does not divide the 4 attention heads"),
-    "pin_tp_kv_heads.yaml": Expect("placement.roles.policy.tp", 53, "neither divides the 4 KV heads"),
+    "pin_tp_kv_heads.yaml": Expect("placement.roles.policy.tp", 53, "tp 6 does not divide the 4 KV heads (a trainer does not replicate"),
     "pin_tp_not_dividing_range.yaml": Expect("placement.roles.policy.tp", 53, "tp 2 does not divide the 3 devices of its range '0-2'"),
     "pin_axes_product.yaml": Expect("placement.roles.policy", 53, "= 1 device, but the mesh of 'policy' has the 2 devices"),
     "pin_unknown_role.yaml": Expect("placement.roles.policy/gen", 52, "roles of this job: policy, policy/generate"),
