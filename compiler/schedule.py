@@ -351,9 +351,12 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
                 lo, hi = split_range(responses, gen.dp, j, group)
                 out.emit(groups[f"gen.{j}"], Generate(i, gen_node.name, gen_role.name, v, lo, hi, f"gen.{j}"))
             _reshard(i, pairs, w.seq_len, out, recvs=False)
-        # Trainer: version 0 first; then per step receive, train, and sync the next version when a
-        # generate needs it, after receiving everything the generator sends before that sync.
+        # Trainer: version 0 first; then per step receive, train, receive every step generated with
+        # the versions it had (so a checkpoint after step i holds all rollouts made from weights older
+        # than its own: a resumed run never needs those weights), and sync the next version when a
+        # generate needs it.
         received = -1
+        last_from = [max((j for j, v in enumerate(versions) if v <= i), default=-1) for i in range(steps)]
 
         def receive_through(last: int) -> None:
             nonlocal received
@@ -366,8 +369,8 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
                 out.emit(train.ranks, WeightSync(problem.policy.model, 0, transfer, "sync"))
             receive_through(i)
             _trainer_step(graph, i, train, responses, group, offloaded, offload_bytes, out)
+            receive_through(last_from[i])
             if i + 1 in first_use:
-                receive_through(first_use[i + 1] - 1)
                 out.emit(train.ranks, WeightSync(problem.policy.model, i + 1, transfer, "sync"))
             _checkpoint(i, steps, checkpoint_every, out, group="trainer", ranks=train.ranks)
     return Programs.unrolled(steps, out.streams, groups, weight_syncs, durations, checkpoint_every)

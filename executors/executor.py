@@ -12,6 +12,7 @@ arrive in pieces (from one or several generator replicas) and are joined when a 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,8 @@ from graphrl.tasks import EOS, PAD, REWARDS, TASKS, resolve_callable
 
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
-from graphrl.executors.outputs import MetricsWriter, save_checkpoint
+from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
+from graphrl.executors.outputs import MetricsWriter, checkpoint_folders, finish_checkpoint
 from graphrl.executors.parallel import (clip_grad_norm, full_state_dict, tensor_parallel_infer, trainer_mesh_groups,
                                         wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
@@ -145,6 +147,7 @@ class RankExecutor:
         self.step_started: dict[int, float] = {}
         self.last_train_end = time.perf_counter()
         self.roles: dict[str, RoleState] = {}
+        self.restored_steps: frozenset[int] = frozenset()
         self._build_roles(resume_state)
         self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
         self.dispatch: dict[type, Callable[[Any], None]] = {
@@ -229,12 +232,20 @@ class RankExecutor:
                 module.requires_grad_(False)
             self.roles[p.role] = state
         if resume_state is not None:
-            for role, saved in resume_state["roles"].items():
-                if role in self.roles and self.roles[role].placement.kind != "generate":
-                    self.roles[role].module.load_state_dict(saved["weights"])
-                    if self.roles[role].optimizer is not None and saved.get("optimizer") is not None:
-                        self.roles[role].optimizer.load_state_dict(saved["optimizer"])
-                    self.roles[role].version = int(saved["version"])
+            self._resume(resume_state)
+
+    def _resume(self, saved: dict[str, Any]) -> None:
+        """Trained roles' shards and optimizer state, weight versions, and the rollouts this rank had
+        received for later steps (an asynchronous schedule's pipeline), from the checkpoint."""
+        root = Path(saved["path"])
+        for name, info in saved["roles"].items():
+            role = self.roles.get(name)
+            if role is not None and role.placement.kind == "train":
+                assert role.optimizer is not None
+                load_role_state(root, name, role.module, role.optimizer, self._role_group(role))
+                role.version = int(info["version"])
+        self.pieces.update(load_inflight(root, self.rank, self.rt.device))
+        self.restored_steps = frozenset(saved["inflight_steps"])
 
     def _tensor_parallel_group(self, p: RolePlacement) -> TensorParallelGroup:
         """This rank's place in the group its Generate instructions name (one generator replica)."""
@@ -251,10 +262,8 @@ class RankExecutor:
         with self.profiler:
             try:
                 for self.index, ins in enumerate(self.programs.rank_stream(self.rank)):
-                    if getattr(ins, "step", self.start_step) < self.start_step:
+                    if self.start_step and self._done_before_checkpoint(ins):
                         continue
-                    if isinstance(ins, (WeightSync, ReshardInPlace)) and ins.version < self.start_step:
-                        continue  # resumed (sync schedules): produced and used before the checkpoint
                     with self.profiler.at(ins):
                         start = now()
                         self.dispatch[type(ins)](ins)
@@ -263,6 +272,17 @@ class RankExecutor:
                 self.spans.write(self.out_dir / "timeline")
                 self.metrics.close()
         self.write_ledger()
+
+    def _done_before_checkpoint(self, ins: Instruction) -> bool:
+        """Whether a resumed run skips `ins`: the work of steps before the checkpoint, weight versions
+        older than the trainer's (the newest one is synced again, so every copy holds it), and the
+        rollouts of later steps the checkpoint already holds (generated ahead, received)."""
+        step = getattr(ins, "step", None)
+        if step is not None and step < self.start_step:
+            return True
+        if isinstance(ins, (WeightSync, ReshardInPlace)):
+            return ins.version < self.start_step
+        return isinstance(ins, (Generate, Send, Recv)) and ins.step in self.restored_steps
 
     def write_ledger(self) -> None:
         """This rank's device bytes of weights, gradients and optimizer state, beside the plan's accounting.
@@ -558,14 +578,36 @@ class RankExecutor:
         """The colocated generator shares the trainer's module: nothing to free on this executor."""
 
     def checkpoint(self, ins: Checkpoint) -> None:
-        roles = {name: r for name, r in self.roles.items() if r.placement.kind != "generate"}
+        """Every trainer rank writes its shards of the trained roles and the rollouts it already holds
+        for later steps; then the reporting rank adds the full weights and moves the folder into place."""
+        roles = {name: r for name, r in self.roles.items() if r.placement.kind == "train"}
+        group = self.rt.group(ins.group)
+        partial, final = checkpoint_folders(self.out_dir, ins.step)
         # Sharded weights are gathered by every rank of the shard group (a collective), then saved once.
         weights = {name: full_state_dict(r.module) for name, r in roles.items()}
         if self.is_reporter:
-            save_checkpoint(self.out_dir, ins.step, roles, weights, self.seed)
-        group = self.rt.group(ins.group)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        self._barrier(group)
+        for name, r in roles.items():
+            assert r.optimizer is not None
+            save_role_state(partial, name, r.module, r.optimizer, self._role_group(r))
+        inflight = {step: held for step, held in self.pieces.items() if step > ins.step}
+        save_inflight(partial, self.rank, inflight)
+        self._barrier(group)
+        if self.is_reporter:
+            finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight))
+        self._barrier(group)
+
+    def _barrier(self, group: Any) -> None:
         if group is not None:
             dist.barrier(group=group)
+
+    def _role_group(self, role: RoleState) -> Any:
+        """The process group over every rank that holds `role` (its mesh), or None on one rank."""
+        if role.placement.tp > 1 or role.wrapping in ("ddp", "fsdp2"):
+            return self.rt.group("trainer")
+        return None
 
 
 def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,

@@ -48,7 +48,7 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
         plan = load_plan(plan_path)
         assert plan.programs is not None
         runtime = Runtime.init(rank, world_size, plan.job.run.device, plan.programs.groups, local_rank)
-        resume_state = load_checkpoint(Path(resume_from)) if resume_from else None
+        resume_state = load_checkpoint(Path(resume_from), weights=False) if resume_from else None
         run_rank(plan, runtime, out, start_step=start_step, resume_state=resume_state, profile=profile)
         if world_size > 1:
             torch.distributed.barrier()

@@ -1,8 +1,9 @@
 """Run outputs: metrics (JSON lines and TensorBoard scalars) and atomic checkpoints.
 
-A checkpoint is a folder `checkpoints/step_<k>/` with the trained roles' weights (safetensors), their
-optimizer state, their weight versions, the RNG seed and the data position (the next step). It is
-written into a temporary folder and renamed into place, so a crash never leaves a half checkpoint.
+A checkpoint is a folder `checkpoints/step_<k>/` with the trained roles' sharded state (`checkpointing.py`),
+their full weights (safetensors), their weight versions, the seed and the data position (the next
+step). It is written into a partial folder and renamed into place, so a crash never leaves a half
+checkpoint.
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_file, save_file
 
 
@@ -53,33 +52,32 @@ class MetricsWriter:
             self._tb.close()
 
 
-def save_checkpoint(out_dir: Path, step: int, roles: dict[str, Any], weights: dict[str, dict[str, Any]],
-                    seed: int) -> Path:
+def checkpoint_folders(out_dir: Path, step: int) -> tuple[Path, Path]:
+    """(partial, final) folder of the checkpoint after `step`: every rank writes into the first, and
+    `finish_checkpoint` renames it to the second."""
     root = out_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.", dir=root))
+    return root / f".step_{step:06d}.partial", root / f"step_{step:06d}"
+
+
+def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, Any],
+                      weights: dict[str, dict[str, Any]], seed: int, inflight_steps: list[int]) -> Path:
+    """Add the full weights and `meta.json` to a partial checkpoint and move it into place atomically."""
     try:
-        meta: dict[str, Any] = {"step": step, "next_step": step + 1, "seed": seed, "roles": {}}
+        meta: dict[str, Any] = {"step": step, "next_step": step + 1, "seed": seed, "roles": {},
+                                "inflight_steps": inflight_steps}
         for name, role in roles.items():
             safe = name.replace("/", "__")
             tensors = {k: v.detach().cpu().contiguous() for k, v in weights[name].items()}
-            save_file(tensors, str(tmp / f"{safe}.safetensors"))
-            # A sharded optimizer's state lives on every rank; only replicated state is saved here.
-            keep_optimizer = role.optimizer is not None and role.wrapping != "fsdp2"
-            if keep_optimizer:
-                torch.save(role.optimizer.state_dict(), tmp / f"{safe}.optimizer.pt")
-            meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors",
-                                   "optimizer": f"{safe}.optimizer.pt" if keep_optimizer else None}
-        meta["rng"] = {"torch": torch.get_rng_state().tolist()}
-        (tmp / "meta.json").write_text(json.dumps(meta))
+            save_file(tensors, str(partial / f"{safe}.safetensors"))
+            meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors"}
+        (partial / "meta.json").write_text(json.dumps(meta))
         if final.exists():
             shutil.rmtree(final)
-        os.replace(tmp, final)
+        os.replace(partial, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
         raise
-    (root / "latest").write_text(final.name)
+    (final.parent / "latest").write_text(final.name)
     return final
 
 
@@ -94,13 +92,13 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, *, weights: bool = True) -> dict[str, Any]:
+    """A checkpoint's metadata, with each role's full weights unless `weights` is False (a resuming
+    rank reads its own shards through `checkpointing.load_role_state` instead)."""
     meta = json.loads((path / "meta.json").read_text())
     roles = {}
     for name, info in meta["roles"].items():
-        roles[name] = {
-            "version": info["version"],
-            "weights": load_file(str(path / info["file"])),
-            "optimizer": torch.load(path / info["optimizer"], weights_only=True) if info["optimizer"] else None,
-        }
-    return {"step": meta["step"], "next_step": meta["next_step"], "roles": roles}
+        roles[name] = {"version": info["version"],
+                       "weights": load_file(str(path / info["file"])) if weights else None}
+    return {"path": path, "step": meta["step"], "next_step": meta["next_step"], "roles": roles,
+            "inflight_steps": meta.get("inflight_steps", [])}

@@ -411,11 +411,6 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         ckpt = latest_checkpoint(out_dir)
         if ckpt is None:
             raise GraphRLError(f"no checkpoint to resume from in {out_dir}", fix="run without --resume first")
-        if plan.chosen.estimate.mode == "async":
-            raise GraphRLError("--resume of asynchronous runs is not supported yet", fix="resume with --schedule sync")
-        if any(p.kind == "train" and p.sharding == "fsdp" and p.dp * p.fsdp > 1 for p in plan.chosen.placements):
-            raise GraphRLError("--resume of FSDP-sharded trainers is not supported yet (their optimizer state is "
-                               "sharded across ranks)", fix="pin sharding: none (DDP) for runs you want to resume")
         meta = json.loads((ckpt / "meta.json").read_text())
         start_step, resume_from = int(meta["next_step"]), ckpt
         click.echo(f"resuming from {ckpt} at step {start_step}", err=True)

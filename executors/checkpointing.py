@@ -1,0 +1,89 @@
+"""Resumable training state: every trained role's weights and optimizer state through
+torch.distributed.checkpoint (DCP), each rank writing its own shards, plus the rollouts in flight.
+
+A checkpoint folder `checkpoints/step_<k>/` holds:
+- `dcp/<role>/`: the role's model and optimizer state dicts as `get_state_dict` gives them: DTensor
+  shards for FSDP2 and fsdp x tp trainers (each rank writes what it holds, DCP records the global
+  layout), plain tensors for DDP and single-rank trainers (written once, replicas deduplicated);
+- `inflight.rank<r>.pt`: the rollouts of later steps that rank `r` had already received when the
+  checkpoint was taken (an asynchronous schedule generates ahead with older weights; keeping those
+  rollouts makes a resumed run exactly the uninterrupted one, without the older weights);
+- `<role>.safetensors` and `meta.json` (`outputs.py`): full weights, weight versions, the next step.
+
+Every trainer rank writes into `.step_<k>.partial/`; once all have (a barrier over the trainer group)
+the reporting rank adds the full weights and `meta.json` and renames the folder into place, so an
+interrupted save never leaves a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from graphrl.errors import RunError
+
+Piece = tuple[int, int, dict[str, Tensor]]
+
+
+@contextmanager
+def _one_rank_quietly() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever `no_dist` is set, which is what a role held by
+    one rank asks for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _folder(root: Path, role: str) -> Path:
+    return root / "dcp" / role.replace("/", "__")
+
+
+def save_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    group: Any) -> None:
+    """This rank's part of `role`'s model and optimizer state (a collective over `group`, the ranks
+    that hold the role; None when one rank holds it)."""
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    with _one_rank_quietly():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=_folder(root, role), process_group=group,
+                 no_dist=group is None)
+
+
+def load_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    group: Any) -> None:
+    """Load `role`'s state saved by `save_role_state` into this rank's shards, whatever the layout
+    they were written from, as long as the parameter names and shapes agree."""
+    folder = _folder(root, role)
+    if not folder.is_dir():
+        raise RunError(f"checkpoint {root} has no sharded state for {role} ({folder} is missing)",
+                       fix="resume from a checkpoint written by this version of graphrl, or start without --resume")
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _one_rank_quietly():
+        dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_inflight(root: Path, rank: int, pieces: dict[int, list[Piece]]) -> None:
+    """The rollouts this rank holds for steps after the checkpoint, on the host."""
+    host = {step: [(a, b, {k: v.cpu() for k, v in data.items()}) for a, b, data in held]
+            for step, held in pieces.items()}
+    torch.save(host, root / f"inflight.rank{rank}.pt")
+
+
+def load_inflight(root: Path, rank: int, device: torch.device) -> dict[int, list[Piece]]:
+    path = root / f"inflight.rank{rank}.pt"
+    if not path.exists():
+        return {}
+    held = torch.load(path, weights_only=True)
+    return {int(step): [(int(a), int(b), {k: v.to(device) for k, v in data.items()}) for a, b, data in pieces]
+            for step, pieces in held.items()}
+
+
+__all__ = ["load_inflight", "load_role_state", "save_inflight", "save_role_state"]
