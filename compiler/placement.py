@@ -40,6 +40,7 @@ from graphrl.schemas.plan import (
     RolePlacement,
     StepEstimate,
 )
+from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
 from graphrl.compiler.roles import Role, Workload, derive_roles, derive_workload
@@ -304,9 +305,9 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
 METRICS_BYTES = 16 * 8
 
 
-def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
-    """Seconds per step of each op kind of each role on the trainer mesh, keyed 'Kind:role'
-    (e.g. 'TrainStep:policy', 'Logprob:reference'); the instruction durations the simulator uses."""
+def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
+    """Seconds per step of each op kind of each role on the trainer mesh, keyed by (kind, role)
+    (e.g. TrainStep of policy, Forward of reference); the instruction durations the simulator uses."""
     w = p.workload
     spans_dp = p.spans(cfg.first, cfg.n) if cfg.dp * cfg.fsdp > 1 else False
     common = dict(seq_len=w.seq_len, hw=p.hw, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
@@ -316,24 +317,24 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
     local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
     micro = max(1, math.ceil(local / w.micro_batch)) if w.micro_batch else 1
     common["microbatches"] = max(micro, 4 * cfg.pp) if cfg.pp > 1 else micro
-    out: dict[str, float] = {}
+    out: dict[CostKey, float] = {}
     for role in p.roles_of("infer", "train"):
         forward = cost.forward_time(role.dims, tokens=w.tokens, **common).total_s + p.hw.op_overhead_s
         if role.kind == "infer":
-            out[f"Forward:{role.name}"] = forward
+            out[CostKey("Forward", role.name)] = forward
             continue
         step = cost.training_step_time(
             role.dims, tokens=w.tokens, seq_len=w.seq_len, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
             sharding=cfg.sharding, recompute=cfg.recompute, hw=p.hw,  # type: ignore[arg-type]
             intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp, microbatches=common["microbatches"],
         )
-        out[f"TrainStep:{role.name}"] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
+        out[CostKey("TrainStep", role.name)] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
         if role is p.policy:  # the step's metrics (reward, loss, ...) are all-reduced over the trainer ranks
-            out[f"TrainStep:{role.name}"] += cost.collective_time(
+            out[CostKey("TrainStep", role.name)] += cost.collective_time(
                 "all_reduce", METRICS_BYTES, cfg.n, p.hw, p.spans(cfg.first, cfg.n))
         # Critics (and any train role besides the policy) also run a forward for their values.
         if role is not p.policy:
-            out[f"Forward:{role.name}"] = forward
+            out[CostKey("Forward", role.name)] = forward
     return out
 
 
@@ -355,8 +356,8 @@ def trainer_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
     moving idle state to host and back ('offload')."""
     per_role = role_times(p, cfg)
     return {
-        "infer": sum(v for k, v in per_role.items() if k.startswith("Forward:")),
-        "train": sum(v for k, v in per_role.items() if k.startswith("TrainStep:")),
+        "infer": sum(v for k, v in per_role.items() if k.kind == "Forward"),
+        "train": sum(v for k, v in per_role.items() if k.kind == "TrainStep"),
         "offload": 2 * cost.offload_time(offload_bytes(p, cfg), p.hw),
     }
 
