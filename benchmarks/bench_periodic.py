@@ -22,7 +22,6 @@ from pathlib import Path
 os.environ.setdefault("GRAPHRL_CALIBRATION", "none")
 
 from graphrl.compiler.compile import compile_graph, compile_job  # noqa: E402
-from graphrl.compiler.schedule import build_programs  # noqa: E402
 from graphrl.compiler.simreport import SIMULATED_ITERATIONS  # noqa: E402
 from graphrl.compiler.simulate import run_programs  # noqa: E402
 from graphrl.loader import job_cluster, load_job  # noqa: E402
@@ -87,13 +86,12 @@ def agreement_table() -> bool:
         cluster = job_cluster(job, None)
         graph = compile_graph(job, cluster, steps=steps)
         pl = graph["placement"]
-        problem = pl["problem"]
         periodic = graph["programs"]
         window = periodic.with_steps(periodic.window_steps(SIMULATED_ITERATIONS))
-        unrolled = build_programs(graph, problem, pl["chosen_eval"], pl["chosen"], steps=steps, periodic=False)
+        unrolled = pl.programs(graph, steps=steps, periodic=False)
         sim = {}
         for label, programs in (("periodic", window), ("unrolled", unrolled)):
-            sim[label] = run_programs(programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
+            sim[label] = run_programs(programs, hw=pl.hardware, devices_per_node=pl.devices_per_node, timed=True).step_time_s
         error = abs(sim["periodic"] - sim["unrolled"]) / sim["unrolled"]
         good = error <= 0.005
         ok &= good

@@ -69,8 +69,8 @@ def predict(job: LoadedJob, cluster: str, hw: HardwareSpec | None = None):  # no
         spec = spec.model_copy(update={"hardware": hw})
     graph = compile_graph(job, spec)
     plan = plan_of(graph, spec)
-    problem = graph["placement"]["problem"]
-    return plan, run_programs(plan.programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
+    placed = graph["placement"]
+    return plan, run_programs(plan.programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True).step_time_s
 
 
 def run_plan(job: LoadedJob, cluster: str, out: Path, profile: Path | None = None,

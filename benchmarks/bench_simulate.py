@@ -17,7 +17,6 @@ from pathlib import Path
 os.environ.setdefault("GRAPHRL_CALIBRATION", "none")
 
 from graphrl.compiler.compile import compile_graph  # noqa: E402
-from graphrl.compiler.schedule import build_programs  # noqa: E402
 from graphrl.compiler.simulate import run_programs  # noqa: E402
 from graphrl.loader import job_cluster, load_job  # noqa: E402
 
@@ -32,10 +31,10 @@ def main() -> int:
     graph = compile_graph(job, cluster, steps=100)
     compile_s = time.perf_counter() - t
     programs = graph["programs"]
-    problem = graph["placement"]["problem"]
+    placed = graph["placement"]
     instructions = sum(len(s) for s in programs.streams)
     t = time.perf_counter()
-    sim = run_programs(programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True)
+    sim = run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True)
     sim_s = time.perf_counter() - t
     print(f"405B on {cluster.num_devices} ranks, 100 steps, {instructions} instructions")
     print(f"  compile + schedule + verify: {compile_s:6.2f} s (target < 15 s) {'PASS' if compile_s < 15 else 'FAIL'}")
@@ -48,16 +47,15 @@ def main() -> int:
         job = load_job(ROOT / "examples" / f"{name}.yaml")
         graph = compile_graph(job, job_cluster(job, None), steps=20)
         pl = graph["placement"]
-        problem = pl["problem"]
 
         def simulate(programs):  # noqa: ANN001, ANN202
-            return run_programs(programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
+            return run_programs(programs, hw=pl.hardware, devices_per_node=pl.devices_per_node, timed=True).step_time_s
 
         chosen = simulate(graph["programs"])
-        baseline = simulate(build_programs(graph, problem, pl["baseline_eval"], pl["baseline"], steps=20, mode="sync"))
-        sync = simulate(build_programs(graph, problem, pl["chosen_eval"], pl["chosen"], steps=20, mode="sync"))
+        baseline = simulate(pl.programs(graph, baseline=True, steps=20, mode="sync"))
+        sync = simulate(pl.programs(graph, steps=20, mode="sync"))
         print(f"{name:<12} {chosen:14.1f} {baseline:16.1f} {baseline / chosen:8.2f}x  {sync:9.1f} {chosen:9.1f}  "
-              f"{pl['chosen'].label}")
+              f"{pl.chosen.label}")
     return 0 if ok else 1
 
 

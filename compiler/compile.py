@@ -11,6 +11,7 @@ from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.plan import Plan
 
 from graphrl.compiler.hardware import resolve_hardware
+from graphrl.compiler.placed import PlacedLayout
 from graphrl.compiler.passes import CompileContext, run_passes
 from graphrl.compiler.pipeline import PIPELINE
 
@@ -22,11 +23,11 @@ def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **
 
 
 def plan_of(graph: JobGraph, cluster: ClusterSpec) -> Plan:
-    placement = graph["placement"]
+    placed: PlacedLayout = graph["placement"]
     return Plan(
-        job=graph.job, cluster=cluster, hardware=placement["problem"].hw, chosen=placement["chosen"],
-        baseline=placement["baseline"], candidates_considered=placement["considered"],
-        candidates=placement["candidates"], programs=graph.attrs.get("programs"),
+        job=graph.job, cluster=cluster, hardware=placed.hardware, chosen=placed.chosen,
+        baseline=placed.baseline, candidates_considered=placed.candidates_considered,
+        candidates=list(placed.candidates), programs=graph.attrs.get("programs"),
     )
 
 

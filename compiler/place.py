@@ -8,6 +8,7 @@ from graphrl.ir import JobGraph
 
 from graphrl.compiler import cost
 from graphrl.compiler.passes import CompileContext, compiler_pass
+from graphrl.compiler.placed import PlacedLayout
 from graphrl.compiler.placement import Evaluated, Problem, make_problem, search, summaries, to_layout
 from graphrl.compiler.roles import derive_roles, derive_workload
 from graphrl.compiler.schedule import build_programs
@@ -65,33 +66,28 @@ def place(graph: JobGraph, ctx: CompileContext) -> JobGraph:
         chosen = _with_estimate(to_layout(problem, best), seconds)
         if result.baseline is not None:
             baseline = _with_estimate(baseline, simulated_step_time(graph, problem, result.baseline, SIMULATE_RANKING_STEPS))
-    placement = MappingProxyType({
-        "problem": problem, "chosen_eval": best, "baseline_eval": result.baseline, "ranking": method,
-        "chosen": chosen,
-        "baseline": baseline,
-        "considered": result.considered,
-        "candidates": summaries(result),
-    })
-    return graph.with_attr("placement", placement)
+    placed = PlacedLayout(problem=problem, chosen_eval=best, baseline_eval=result.baseline, ranking=method,
+                          chosen=chosen, baseline=baseline, candidates_considered=result.considered,
+                          candidates=tuple(summaries(result)))
+    return graph.with_attr("placement", placed)
 
 
 @compiler_pass("schedule", requires=("placement",), ensures=("programs",))
 def schedule(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """Insert reshard, weight-sync and offload operations; unroll the steps into per-rank programs."""
-    pl = graph["placement"]
+    placed: PlacedLayout = graph["placement"]
     steps = int(ctx.options.get("steps") or graph.job.schedule.steps)
-    programs = build_programs(graph, pl["problem"], pl["chosen_eval"], pl["chosen"], steps=steps,
-                              mode=ctx.options.get("mode"))
+    programs = placed.programs(graph, steps=steps, mode=ctx.options.get("mode"))
     return graph.with_attr("programs", programs)
 
 
 @compiler_pass("verify", requires=("programs", "placement"), ensures=("verified",))
 def verify(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """No deadlock, memory fits at every instruction, the staleness bound holds."""
-    pl = graph["placement"]
-    layout = pl["chosen"]
+    placed: PlacedLayout = graph["placement"]
+    layout = placed.chosen
     mode = ctx.options.get("mode") or (graph.job.schedule.mode if layout.strategy == "disaggregated" else "sync")
-    peak = verify_programs(graph["programs"], layout, pl["problem"].usable, mode, graph.job.schedule.max_staleness)
+    peak = verify_programs(graph["programs"], layout, placed.usable_bytes, mode, graph.job.schedule.max_staleness)
     return graph.with_attr("verified", MappingProxyType({"peak_bytes": peak}))
 
 

@@ -40,10 +40,11 @@ from graphrl.schemas.plan import (
     RolePlacement,
     StepEstimate,
 )
+from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
 from graphrl.compiler.roles import Role, Workload, derive_roles, derive_workload
-from graphrl.compiler.typecheck import tp_split_problem
+from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 
 GB = 1e9
 # Bytes of one response in flight between meshes: prompt and response ids (int64), masks (bool),
@@ -166,14 +167,6 @@ class Problem:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _pow2_upto(n: int) -> list[int]:
-    out, v = [], 1
-    while v <= n:
-        out.append(v)
-        v *= 2
-    return out
 
 
 def _tp_ok(role: Role, tp: int) -> bool:
@@ -304,9 +297,9 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
 METRICS_BYTES = 16 * 8
 
 
-def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
-    """Seconds per step of each op kind of each role on the trainer mesh, keyed 'Kind:role'
-    (e.g. 'TrainStep:policy', 'Logprob:reference'); the instruction durations the simulator uses."""
+def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
+    """Seconds per step of each op kind of each role on the trainer mesh, keyed by (kind, role)
+    (e.g. TrainStep of policy, Forward of reference); the instruction durations the simulator uses."""
     w = p.workload
     spans_dp = p.spans(cfg.first, cfg.n) if cfg.dp * cfg.fsdp > 1 else False
     common = dict(seq_len=w.seq_len, hw=p.hw, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
@@ -316,24 +309,24 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
     local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
     micro = max(1, math.ceil(local / w.micro_batch)) if w.micro_batch else 1
     common["microbatches"] = max(micro, 4 * cfg.pp) if cfg.pp > 1 else micro
-    out: dict[str, float] = {}
+    out: dict[CostKey, float] = {}
     for role in p.roles_of("infer", "train"):
         forward = cost.forward_time(role.dims, tokens=w.tokens, **common).total_s + p.hw.op_overhead_s
         if role.kind == "infer":
-            out[f"Forward:{role.name}"] = forward
+            out[CostKey("Forward", role.name)] = forward
             continue
         step = cost.training_step_time(
             role.dims, tokens=w.tokens, seq_len=w.seq_len, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
             sharding=cfg.sharding, recompute=cfg.recompute, hw=p.hw,  # type: ignore[arg-type]
             intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp, microbatches=common["microbatches"],
         )
-        out[f"TrainStep:{role.name}"] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
+        out[CostKey("TrainStep", role.name)] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
         if role is p.policy:  # the step's metrics (reward, loss, ...) are all-reduced over the trainer ranks
-            out[f"TrainStep:{role.name}"] += cost.collective_time(
+            out[CostKey("TrainStep", role.name)] += cost.collective_time(
                 "all_reduce", METRICS_BYTES, cfg.n, p.hw, p.spans(cfg.first, cfg.n))
         # Critics (and any train role besides the policy) also run a forward for their values.
         if role is not p.policy:
-            out[f"Forward:{role.name}"] = forward
+            out[CostKey("Forward", role.name)] = forward
     return out
 
 
@@ -355,8 +348,8 @@ def trainer_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
     moving idle state to host and back ('offload')."""
     per_role = role_times(p, cfg)
     return {
-        "infer": sum(v for k, v in per_role.items() if k.startswith("Forward:")),
-        "train": sum(v for k, v in per_role.items() if k.startswith("TrainStep:")),
+        "infer": sum(v for k, v in per_role.items() if k.kind == "Forward"),
+        "train": sum(v for k, v in per_role.items() if k.kind == "TrainStep"),
         "offload": 2 * cost.offload_time(offload_bytes(p, cfg), p.hw),
     }
 
@@ -403,34 +396,16 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
     """Trainer layouts over devices [first, first+n) that respect the policy's pins."""
     role = p.policy
     hint = p.hint(role.name)
-    out = []
-    tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(n, 2 * p.per_node)) if _tp_ok(role, t)]
-    # The executors do not run pipeline parallelism yet, so the search never proposes it: a plan the
-    # search chooses must run. A pinned pp is still laid out and costed (the preview shows it), and
-    # `graphrl run` refuses it up front.
-    pps = [hint.pp] if hint.pp else [1]
     shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
     offloads = [hint.offload] if hint.offload is not None else [False, True]
-    for tp in tps:
-        for pp in pps:
-            if n % (tp * pp):
-                continue
-            d = n // (tp * pp)
-            if hint.dp and hint.fsdp:  # both pinned: both honoured (their product must fill the mesh)
-                splits = [(hint.dp, hint.fsdp)]
-            elif hint.fsdp:
-                splits = [(d // hint.fsdp, hint.fsdp)]
-            else:
-                splits = [(hint.dp, d // hint.dp)] if hint.dp else [(1, d)]
-            for dp, fsdp in splits:
-                if dp * fsdp != d or dp < 1 or fsdp < 1:
-                    continue
-                for sharding in shardings:
-                    if sharding != "none" and dp * fsdp == 1 and len(shardings) > 1:
-                        continue  # nothing to shard over; 'none' covers it
-                    for recompute in (False, True):
-                        for offload in offloads:
-                            out.append(TrainCfg(first, n, dp, fsdp, tp, pp, sharding, recompute, offload))
+    out = []
+    for tp, pp, dp, fsdp in train_shapes(role, hint, n, p.per_node):
+        for sharding in shardings:
+            if sharding != "none" and dp * fsdp == 1 and len(shardings) > 1:
+                continue  # nothing to shard over; 'none' covers it
+            for recompute in (False, True):
+                for offload in offloads:
+                    out.append(TrainCfg(first, n, dp, fsdp, tp, pp, sharding, recompute, offload))
     return out
 
 
@@ -438,28 +413,14 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     role = p.generator
     assert role is not None
     hint = p.hint(role.name)
-    tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(n, 2 * p.per_node)) if _tp_ok(role, t)]
     precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if p.hw.peak_fp8_flops > 0 else ["bf16"])
-    return [GenCfg(first, n, tp, prec) for tp in tps if n % tp == 0 and (not hint.dp or hint.dp * tp == n)
-            for prec in precisions]
+    return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 
 def _splits(p: Problem) -> list[tuple[int, int, int, int]]:
     """(gen_first, gen_n, train_first, train_n) device splits for disaggregated layouts."""
-    n = p.num_devices
     gen_hint = p.hint(p.generator.name) if p.generator else RoleHint()
-    train_hint = p.hint(p.policy.name)
-    if gen_hint.devices or train_hint.devices:
-        g = parse_device_range(gen_hint.devices) if gen_hint.devices else None
-        t = parse_device_range(train_hint.devices) if train_hint.devices else None
-        if g is None:
-            assert t is not None
-            g = (t[1], n) if t[0] == 0 else (0, t[0])
-        if t is None:
-            t = (g[1], n) if g[0] == 0 else (0, g[0])
-        return [(g[0], g[1] - g[0], t[0], t[1] - t[0])] if g[1] > g[0] and t[1] > t[0] else []
-    unit = p.per_node if n >= 2 * p.per_node else 1
-    return [(0, g, g, n - g) for g in range(unit, n, unit)]
+    return device_splits(p.num_devices, p.per_node, gen_hint.devices, p.hint(p.policy.name).devices)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from graphrl.schemas.plan import Layout, RolePlacement
 from graphrl.schemas.program import (
     Advantage,
     Checkpoint,
+    CostKey,
     Generate,
     Instruction,
     Logprob,
@@ -116,18 +117,18 @@ def _mesh_of(layout: Layout, placement: RolePlacement) -> MeshRanks:
     return MeshRanks(mesh.first_device, mesh.num_devices, placement.dp, placement.fsdp, placement.tp, placement.pp)
 
 
-def cost_key(ins: Instruction) -> str:
+def cost_key(ins: Instruction) -> CostKey:
     """The key of an instruction's predicted duration in `Programs.durations`."""
     name = type(ins).__name__
     if isinstance(ins, (Logprob, Value, Reward)):
-        return f"Forward:{ins.role}" if ins.role else "Rule"
+        return CostKey("Forward", ins.role) if ins.role else CostKey("Rule")
     if isinstance(ins, (TrainStep, Generate)):
-        return f"{name}:{ins.role}"
+        return CostKey(name, ins.role)
     if isinstance(ins, WeightSync):
-        return f"WeightSync:{ins.transfer}"
+        return CostKey("WeightSync", ins.transfer)
     if isinstance(ins, ReshardInPlace):
-        return f"ReshardInPlace:{ins.model}"
-    return name
+        return CostKey("ReshardInPlace", ins.model)
+    return CostKey(name)
 
 
 class _Streams:
@@ -300,8 +301,8 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
     offload_bytes = {p.role: int(sum(getattr(p.memory_bytes, k) for k in p.offload)) for p in layout.placements}
 
     durations = dict(role_times(problem, ev.train))
-    durations.update(Rule=problem.hw.op_overhead_s, Advantage=problem.hw.op_overhead_s,
-                     Checkpoint=problem.hw.op_overhead_s, ReleaseWeights=0.0)
+    durations.update({CostKey("Rule"): problem.hw.op_overhead_s, CostKey("Advantage"): problem.hw.op_overhead_s,
+                      CostKey("Checkpoint"): problem.hw.op_overhead_s, CostKey("ReleaseWeights"): 0.0})
     weight_syncs: dict[str, dict] = {}
     if gen is not None and ev.gen is not None:
         free = problem.usable
@@ -309,13 +310,13 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
             free = problem.usable - sum(p.memory_bytes.params + p.memory_bytes.grads + p.memory_bytes.optimizer
                                         for p in layout.placements if p.kind != "generate")
         res = generation_time(problem, ev.gen, free)
-        durations[f"Generate:{gen_role.name}"] = res[0] if res else math.inf
+        durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
     colocated = layout.strategy == "colocated"
     transfer = f"{problem.policy.model}:trainer->generator"
     if gen is not None and colocated:
-        durations[f"ReshardInPlace:{problem.policy.model}"] = reshard_in_place_time(problem, ev.train, ev.gen)[0]
+        durations[CostKey("ReshardInPlace", problem.policy.model)] = reshard_in_place_time(problem, ev.train, ev.gen)[0]
     elif gen is not None:
-        weight_syncs[transfer], durations[f"WeightSync:{transfer}"] = _ddma(
+        weight_syncs[transfer], durations[CostKey("WeightSync", transfer)] = _ddma(
             problem.policy.dims, problem.policy.model, problem.hw, problem.per_node, train, gen, gen_pl.precision)
 
     # Which versions some generate uses, and where each is first needed.

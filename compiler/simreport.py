@@ -17,8 +17,8 @@ from graphrl.ir import JobGraph
 from graphrl.schemas.plan import Plan
 from graphrl.schemas.program import Programs
 
+from graphrl.compiler.placed import PlacedLayout
 from graphrl.compiler.preview import human_seconds
-from graphrl.compiler.schedule import build_programs
 from graphrl.compiler.simulate import SimResult, run_programs, text_gantt, write_chrome_trace
 
 TRACE_ALL_RANKS_UP_TO = 64
@@ -70,18 +70,16 @@ def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Pa
     chosen, run_s = simulate_window(programs, plan, trace_ranks if (trace_path or gantt) else None)
     sync_s, async_s, baseline_s = chosen.step_time_s, None, None
     if graph is not None:
-        pl = graph["placement"]
-        problem, ev = pl["problem"], pl["chosen_eval"]
+        placed: PlacedLayout = graph["placement"]
         if layout.strategy == "disaggregated":
             # The chosen programs already run under the job's own schedule; build only the other one.
             other = "sync" if plan.job.schedule.mode == "async" else "async"
             progress(f"the same placement, {other}")
-            other_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode=other))
+            other_s = step_time(placed.programs(graph, steps=steps, mode=other))
             sync_s, async_s = (other_s, chosen.step_time_s) if other == "sync" else (chosen.step_time_s, other_s)
-        if pl["baseline_eval"] is not None:
+        if placed.baseline_eval is not None:
             progress("the baseline layout")
-            baseline_s = step_time(build_programs(graph, problem, pl["baseline_eval"], pl["baseline"], steps=steps,
-                                                  mode="sync"))
+            baseline_s = step_time(placed.programs(graph, baseline=True, steps=steps, mode="sync"))
     elif plan.baseline is not None:
         baseline_s = plan.baseline.estimate.step_time_s  # a plan file holds the baseline's estimate, not its programs
     busy = {}

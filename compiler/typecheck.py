@@ -30,9 +30,9 @@ from graphrl.ops import OPS, op_kind
 from graphrl.schemas.algorithms import LOSSES
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import RoleHint, parse_device_range
-from graphrl.schemas.model import ModelDims
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
 
+from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.roles import Role, derive_roles
 
@@ -241,23 +241,6 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
 
 # --- placement pins -----------------------------------------------------------------------------------
 
-def tp_split_problem(dims: ModelDims, tp: int, kind: str = "generate") -> str | None:
-    """Why `tp` tensor-parallel shards cannot split this model evenly for a role of `kind`, or None when
-    they can: the query heads and the feed-forward width divide by tp; the KV heads divide by tp, or,
-    for generation only (fewer KV heads than shards), tp divides by them and each KV head is replicated
-    on tp / num_kv_heads shards. A trainer's shards are DTensors of one layout, which never replicate."""
-    if dims.num_heads % tp:
-        return f"tp {tp} does not divide the {dims.num_heads} attention heads"
-    if kind == "train" and dims.num_kv_heads % tp:
-        return f"tp {tp} does not divide the {dims.num_kv_heads} KV heads (a trainer does not replicate KV heads)"
-    if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
-        return (f"tp {tp} neither divides the {dims.num_kv_heads} KV heads nor is a multiple of them "
-                "(to replicate each KV head)")
-    if dims.intermediate_size % tp:
-        return f"tp {tp} does not divide the feed-forward width {dims.intermediate_size}"
-    return None
-
-
 # Which pins each kind of role's layout reads: a trainer mesh is dp x fsdp x tp x pp with a sharding and
 # optional offload; a generator is dp replicas of tp shards in some precision.
 _AXES = {"train": ("dp", "fsdp", "tp", "pp"), "generate": ("dp", "tp")}
@@ -277,38 +260,14 @@ def _mesh_splits(job, policy: Role | None, generator: Role | None, cluster: Clus
         return splits
     hints = placement.roles
     own = {r: hints[r.name].devices for r in (policy, generator) if r is not None and r.name in hints}
-    g_range, t_range = own.get(generator), own.get(policy)
-    if g_range or t_range:
-        g = parse_device_range(g_range) if g_range else None
-        t = parse_device_range(t_range) if t_range else None
-        g = g or ((t[1], n) if t[0] == 0 else (0, t[0]))
-        t = t or ((g[1], n) if g[0] == 0 else (0, g[0]))
-        return splits + ([(t[1] - t[0], g[1] - g[0])] if g[1] > g[0] and t[1] > t[0] else [])
-    unit = cluster.devices_per_node if n >= 2 * cluster.devices_per_node else 1
-    return splits + [(n - g, g) for g in range(unit, n, unit)]
-
-
-def _pow2_upto(n: int) -> list[int]:
-    return [1 << k for k in range(n.bit_length()) if 1 << k <= n]
+    pairs = device_splits(n, cluster.devices_per_node, own.get(generator), own.get(policy))
+    return splits + [(t_n, g_n) for _, g_n, _, t_n in pairs]
 
 
 def _layout_exists(role: Role, hint: RoleHint, size: int, per_node: int) -> bool:
     """Whether some layout of `size` devices that the search enumerates honours the role's pins."""
-    tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(size, 2 * per_node))
-                                     if tp_split_problem(role.dims, t, role.kind) is None]
-    if role.kind == "generate":
-        return any(size % tp == 0 and (not hint.dp or hint.dp * tp == size) for tp in tps)
-    for tp in tps:
-        pp = hint.pp or 1
-        if size % (tp * pp):
-            continue
-        d = size // (tp * pp)
-        if hint.dp and hint.fsdp:
-            if hint.dp * hint.fsdp == d:
-                return True
-        elif d % (hint.dp or hint.fsdp or 1) == 0:
-            return True
-    return False
+    shapes = generate_shapes if role.kind == "generate" else train_shapes
+    return bool(shapes(role, hint, size, per_node))
 
 
 def _where(sizes: set[int], own_range: str | None, colocated_only: bool) -> str:

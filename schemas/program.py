@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, NamedTuple, Union
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +337,27 @@ class RankProgram:
         return len(self.prologue) + len(self.body) + len(self.epilogue)
 
 
+class CostKey(NamedTuple):
+    """The key of a predicted duration in `Programs.durations`: the op kind and what it acts on.
+    In a plan file it is written 'kind:subject' (or 'kind' alone), as `str()` gives."""
+
+    kind: str
+    """The op kind: an instruction type name, or 'Forward' for any role's forward pass and 'Rule'
+    for a rule-based reward."""
+    subject: str = ""
+    """The role (TrainStep, Generate, Forward), the transfer (WeightSync) or the model
+    (ReshardInPlace); empty for kinds with one duration per job."""
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.subject}" if self.subject else self.kind
+
+    @classmethod
+    def parse(cls, text: str) -> "CostKey":
+        """The key `str()` wrote; the subject may itself hold ':' (a transfer id)."""
+        kind, _, subject = text.partition(":")
+        return cls(kind, subject)
+
+
 @dataclass
 class Programs:
     """Everything the executors run: one periodic program per rank, the named rank groups, the DDMA
@@ -348,12 +369,12 @@ class Programs:
     ranks: list[RankProgram]
     groups: dict[str, tuple[int, ...]]
     weight_syncs: dict[str, Any]  # transfer id -> WeightSyncPlan summary (json-able)
-    durations: dict[str, float]  # cost key -> predicted seconds (see graphrl.compiler.schedule.cost_key)
+    durations: dict[CostKey, float]  # predicted seconds (see graphrl.compiler.schedule.cost_key)
     checkpoint_every: int = 0
 
     @classmethod
     def unrolled(cls, steps: int, streams: list[list[Instruction]], groups: dict[str, tuple[int, ...]],
-                 weight_syncs: dict[str, Any], durations: dict[str, float], checkpoint_every: int = 0) -> "Programs":
+                 weight_syncs: dict[str, Any], durations: dict[CostKey, float], checkpoint_every: int = 0) -> "Programs":
         """A transcript: every rank's whole run in its prologue (short runs, references and tests)."""
         return cls(steps, [RankProgram(list(s), [], []) for s in streams], groups, weight_syncs, durations,
                    checkpoint_every)
@@ -396,7 +417,7 @@ class Programs:
                        "epilogue": [encode(i) for i in r.epilogue]} for r in self.ranks],
             "groups": {k: list(v) for k, v in self.groups.items()},
             "weight_syncs": self.weight_syncs,
-            "durations": self.durations,
+            "durations": {str(k): v for k, v in self.durations.items()},
         }
 
     @classmethod
@@ -416,6 +437,6 @@ class Programs:
             ranks=ranks,
             groups={k: tuple(int(r) for r in v) for k, v in data["groups"].items()},
             weight_syncs=dict(data["weight_syncs"]),
-            durations={k: float(v) for k, v in data["durations"].items()},
+            durations={CostKey.parse(k): float(v) for k, v in data["durations"].items()},
             checkpoint_every=int(data["checkpoint_every"]),
         )

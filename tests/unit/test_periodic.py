@@ -57,11 +57,11 @@ def test_periodic_programs_expand_to_the_unrolled_run(name, edits, checkpoint_ev
         "schedule": job.spec.schedule.model_copy(update={"checkpoint_every": checkpoint_every})}))
     graph = graph_for(job, steps=2)
     pl = graph["placement"]
-    mode = job.spec.schedule.mode if pl["chosen"].strategy == "disaggregated" else "sync"
+    mode = job.spec.schedule.mode if pl.chosen.strategy == "disaggregated" else "sync"
     warm = fold_length(job.spec.schedule.max_staleness if mode == "async" else 0)
     for steps in (1, 2, warm - 1, warm, warm + 1, warm + 5, 37):
-        periodic = build_programs(graph, pl["problem"], pl["chosen_eval"], pl["chosen"], steps=steps)
-        unrolled = build_programs(graph, pl["problem"], pl["chosen_eval"], pl["chosen"], steps=steps, periodic=False)
+        periodic = pl.programs(graph, steps=steps)
+        unrolled = pl.programs(graph, steps=steps, periodic=False)
         assert periodic.streams == unrolled.streams, f"{steps} steps"
         checkpoints = [i.step for i in periodic.streams[-1] if isinstance(i, Checkpoint)]
         assert checkpoints == [s for s in range(steps) if s == steps - 1 or (checkpoint_every and (s + 1) % 3 == 0)]
@@ -106,7 +106,7 @@ def _tiny_inputs():
     job = load_job(EXAMPLES / "grpo_tiny.yaml")
     graph = graph_for(job, steps=2)
     pl = graph["placement"]
-    return graph, pl["problem"], pl["chosen_eval"], pl["chosen"]
+    return graph, pl.problem, pl.chosen_eval, pl.chosen
 
 
 def test_periodic_and_unrolled_simulate_the_same_step_time():

@@ -13,6 +13,7 @@ import pytest
 from graphrl.compiler.preview import human_seconds
 from graphrl.errors import PlanFileError, RunError
 from graphrl.plan_io import save_plan
+from graphrl.schemas.program import CostKey
 from graphrl.report import (
     TimedSpan,
     attribute_steps,
@@ -150,7 +151,7 @@ def test_time_per_kind_measured_from_the_timeline(full_report, plan):
     kept, steps = steady_spans(simulated_spans(plan), 1)
     expected = seconds_per_kind(kept, len(steps))
     assert rows["Generate"]["predicted_s"] == pytest.approx(expected["Generate"])
-    assert rows["TrainStep"]["predicted_s"] == pytest.approx(plan.programs.durations["TrainStep:policy"])
+    assert rows["TrainStep"]["predicted_s"] == pytest.approx(plan.programs.durations[CostKey("TrainStep", "policy")])
     assert rows["TrainStep"]["error_pct"] == pytest.approx(
         100 * (rows["TrainStep"]["predicted_s"] - 0.05) / 0.05)
 

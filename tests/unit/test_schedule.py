@@ -87,7 +87,7 @@ def test_every_send_has_its_receive():
 
 def test_memory_overflow_is_reported_with_rank_and_instruction():
     g = graph_of("grpo_tiny.yaml", steps=2)
-    layout = g["placement"]["chosen"]
+    layout = g["placement"].chosen
     with pytest.raises(VerifyError) as info:
         check_memory(g["programs"], layout, usable_bytes=1000.0)
     assert "rank 0 instruction" in str(info.value) and "exceeds" in str(info.value)
@@ -131,7 +131,7 @@ def test_offload_makes_a_colocated_plan_fit(tmp_path):
     assert "no layout fits" in str(info.value)
     yes = load_job_text(OFFLOAD_JOB.format(cluster=cluster, offload="true"), "yes.yaml")
     graph = compile_graph(yes, job_cluster(yes, None))
-    layout = graph["placement"]["chosen"]
+    layout = graph["placement"].chosen
     roles = {p.role: p for p in layout.placements}
     assert roles["policy"].offload == ["grads", "optimizer"]
     assert roles["reference"].offload == ["params"] and roles["reward_model"].offload == ["params"]
@@ -146,7 +146,7 @@ def test_offload_makes_a_colocated_plan_fit(tmp_path):
     moved = {ins.role: ins.num_bytes for ins in graph["programs"].streams[0] if isinstance(ins, Offload)}
     assert moved["policy"] == int(params * 14)
     assert moved["reward_model"] == int(8_030_261_248 * 2)
-    assert graph["verified"]["peak_bytes"] <= graph["placement"]["problem"].usable
+    assert graph["verified"]["peak_bytes"] <= graph["placement"].usable_bytes
 
 
 def test_simulated_async_beats_sync_on_disaggregated_tiny():
@@ -161,8 +161,7 @@ def test_simulated_async_beats_sync_on_disaggregated_tiny():
 
 def test_chrome_trace_has_spans_and_flows(tmp_path):
     g = graph_of("aipo_async_tiny.yaml", steps=3)
-    problem = g["placement"]["problem"]
-    result = run_programs(g["programs"], hw=problem.hw, devices_per_node=2, timed=True, trace_ranks={0, 1})
+    result = run_programs(g["programs"], hw=g["placement"].hardware, devices_per_node=2, timed=True, trace_ranks={0, 1})
     trace = chrome_trace(result)
     phases = {e["ph"] for e in trace["traceEvents"]}
     assert {"X", "s", "f", "M"} <= phases
