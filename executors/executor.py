@@ -42,11 +42,13 @@ from graphrl.schemas.program import (
     WeightSync,
     describe,
 )
-from graphrl.tasks import EOS, PAD, REWARDS, TASKS, resolve_callable
+from graphrl.datasets import prompt_source
+from graphrl.rewards import RewardRuleError, combined_reward
+from graphrl.tasks import REWARDS, resolve_callable
 
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
-from graphrl.executors.outputs import MetricsWriter, save_checkpoint
+from graphrl.executors.outputs import MetricsWriter, SamplesWriter, save_checkpoint
 from graphrl.executors.parallel import full_state_dict, wrap_trainer
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import Runtime
@@ -121,8 +123,9 @@ class RankExecutor:
         self.gen_node, self.data_node = gen_node, data_node
         self.last_train_node = [n for n in self.graph.topo_order() if self.nodes[n].op == "train"][-1]
         self.group_size = gen_node.spec.samples_per_prompt
-        self.task = resolve_callable(data_node.spec.task, TASKS, "task")(**data_node.spec.options)
         self.seed = plan.job.run.seed
+        self.source = prompt_source(plan.job, data_node.spec, gen_node.spec)
+        self.samples = SamplesWriter(out_dir, plan.job.run.samples_per_step)
         self.start_step = start_step
         self.values: dict[tuple[int, str, str], Any] = {}
         self.pieces: dict[int, list[Piece]] = {}
@@ -177,9 +180,9 @@ class RankExecutor:
                 any(n.op == "reward" and n.spec.model == p.model for n in self.graph.nodes())
             module = (LlamaCritic(dims) if is_critic else Llama(dims)).to(device=self.rt.device, dtype=dtype)
             if spec.checkpoint is not None:
-                from graphrl.executors.models.llama import load_hf_checkpoint
+                from graphrl.models.checkpoints import load_state
 
-                _, state = load_hf_checkpoint(spec.checkpoint)
+                _, state = load_state(spec.checkpoint)
                 module.load_state_dict(state, strict=not is_critic)
             state = RoleState(p, module)
             if p.kind == "train":
@@ -216,6 +219,7 @@ class RankExecutor:
             finally:
                 self.spans.write(self.out_dir / "timeline")
                 self.metrics.close()
+                self.samples.close()
         self.write_ledger()
 
     def write_ledger(self) -> None:
@@ -272,8 +276,7 @@ class RankExecutor:
             raise self.fail(ins, f"the plan fixes weight version {ins.version} but this rank holds {role.version}")
         self.step_started.setdefault(ins.step, time.perf_counter())
         g = self.group_size
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ins.step)
-        prompt_ids, prompt_mask = self.task.sample(gen, self.data_node.spec.batch_size, self.data_node.spec.prompt_len)
+        prompt_ids, prompt_mask = self.source.prompts(ins.step)
         p_lo, p_hi = ins.start // g, ins.stop // g
         prompt_ids = prompt_ids[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
         prompt_mask = prompt_mask[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
@@ -284,12 +287,13 @@ class RankExecutor:
         module.eval()
         with torch.no_grad():
             out = generate(module, prompt_ids, prompt_mask, spec.max_new_tokens, temperature=spec.temperature,
-                           top_p=spec.top_p, generator=sampler, eos_id=EOS, pad_id=PAD)
+                           top_p=spec.top_p, generator=sampler, eos_id=self.source.stop_ids,
+                           pad_id=self.source.pad_id)
         module.train(was_training)
         response_ids = out.response_ids
         if response_ids.shape[1] < spec.max_new_tokens:  # every sequence stopped early: pad to R
             pad = spec.max_new_tokens - response_ids.shape[1]
-            response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=PAD)
+            response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=self.source.pad_id)
             out_mask = torch.nn.functional.pad(out.response_mask, (0, pad), value=False)
             out_lp = torch.nn.functional.pad(out.logprobs, (0, pad), value=0.0)
         else:
@@ -329,7 +333,18 @@ class RankExecutor:
     def reward(self, ins: Reward) -> None:
         r = self.read(ins, "rollouts")
         spec = self.nodes[ins.node].spec
-        if spec.fn is not None:
+        responses = self.source.decode(r["response_ids"], r["response_mask"])
+        examples = self.source.examples(ins.step)
+        answers = None if examples is None else [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)]
+        if spec.rules:
+            assert answers is not None  # typecheck: answer rules need a file dataset
+            try:
+                rewards = torch.tensor(combined_reward(spec.rules, responses, answers), dtype=torch.float32)
+            except RewardRuleError as exc:
+                prompt = self.source.decode(r["prompt_ids"][exc.index:exc.index + 1],
+                                            r["prompt_mask"][exc.index:exc.index + 1])[0]
+                raise self.fail(ins, f"{exc} of step {ins.step}, rollout {ins.start + exc.index}; prompt {prompt!r}") from exc
+        elif spec.fn is not None:
             fn = resolve_callable(spec.fn, REWARDS, "reward function")
             rewards = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"]).float()
         else:
@@ -341,6 +356,11 @@ class RankExecutor:
         if rewards.shape != (ins.stop - ins.start,):
             raise self.fail(ins, f"reward function returned shape {tuple(rewards.shape)}, expected ({ins.stop - ins.start},)")
         self.values[(ins.step, ins.node, "rewards")] = rewards
+        if ins.start == 0:  # the first responses of each step, written once whichever rank scores them
+            n = min(self.samples.per_step, ins.stop - ins.start)
+            prompts = self.source.decode(r["prompt_ids"][:n], r["prompt_mask"][:n])
+            self.samples.write(ins.step, int(r["version"].item()), prompts, responses[:n], rewards[:n].tolist(),
+                               None if answers is None else answers[:n])
         stats = self.stats.setdefault(ins.step, StepStats())
         stats.reward_sum += float(rewards.sum())
         stats.reward_count += rewards.numel()

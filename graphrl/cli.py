@@ -79,7 +79,9 @@ def load_any(path: str) -> LoadedJob:
     if not isinstance(spec, JobSpec):
         raise JobError("a Python job file must define build_job() returning a JobSpec (or a `job` variable)",
                        location=Location(str(p)), fix="see examples/grpo_tiny.py")
-    return LoadedJob(spec, SourceMap(str(p)), p)
+    from graphrl.loader import with_files_resolved
+
+    return with_files_resolved(LoadedJob(spec, SourceMap(str(p)), p))
 
 
 def checked_graph(job: LoadedJob) -> JobGraph:
@@ -379,8 +381,9 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         meta = json.loads((ckpt / "meta.json").read_text())
         start_step, resume_from = int(meta["next_step"]), ckpt
         click.echo(f"resuming from {ckpt} at step {start_step}", err=True)
-    elif (out_dir / "metrics.jsonl").exists():
-        (out_dir / "metrics.jsonl").unlink()
+    else:
+        for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh records
+            (out_dir / name).unlink(missing_ok=True)
     settings = None
     if profile is not None:
         from graphrl.executors.profiling import ProfileSettings
@@ -398,13 +401,15 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                      TextColumn("reward {task.fields[reward]:.3f}  {task.fields[step_s]:.2f} s/step"),
+                      TextColumn("reward {task.fields[reward]:.3f}  {task.fields[step_s]:.2f} s/step  "
+                                 "{task.fields[tok_s]:.0f} tok/s"),
                       TimeElapsedColumn(), transient=False) as bar:
-            task = bar.add_task("run", total=total, completed=start_step, reward=0.0, step_s=0.0)
+            task = bar.add_task("run", total=total, completed=start_step, reward=0.0, step_s=0.0, tok_s=0.0)
 
             def update(row: dict[str, Any]) -> None:
                 last.update(row)
-                bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"], step_s=row["step_time_s"])
+                bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"], step_s=row["step_time_s"],
+                           tok_s=row.get("tokens_per_s", 0.0))
 
             outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update,
                                    profile=settings)
