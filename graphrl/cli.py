@@ -466,5 +466,28 @@ def report(run_dir: Path, fmt: str, output: Path | None, width: int, warmup_step
         click.echo(out)
 
 
+@main.command(name="import")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+def import_cmd(source: Path, out_dir: Path, dtype: str) -> None:
+    """Convert a GGUF file or Hugging Face folder once into a safetensors folder with its tokenizer."""
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from graphrl.models import import_checkpoint
+
+    stages = ["reading weights", "building model", "reading tokenizer", "writing safetensors"]
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("import", total=len(stages))
+
+        def progress(stage: str) -> None:
+            bar.update(task, description=stage, completed=stages.index(stage))
+
+        folder = import_checkpoint(source, out_dir, getattr(torch, dtype), progress=progress)
+        bar.update(task, description="done", completed=len(stages))
+    click.echo(f"wrote {folder}: point a model's `checkpoint:` at it")
+
+
 if __name__ == "__main__":
     main()
