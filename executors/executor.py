@@ -526,10 +526,21 @@ class RankExecutor:
         # Sharded weights are gathered by every rank of the shard group (a collective), then saved once.
         weights = {name: full_state_dict(r.module) for name, r in roles.items()}
         if self.is_reporter:
-            save_checkpoint(self.out_dir, ins.step, roles, weights, self.seed)
+            folder = save_checkpoint(self.out_dir, ins.step, roles, weights, self.seed)
+            self._export_trained(folder, roles, weights)
         group = self.rt.group(ins.group)
         if group is not None:
             dist.barrier(group=group)
+
+    def _export_trained(self, folder: Path, roles: dict[str, RoleState], weights: dict[str, dict[str, Tensor]]) -> None:
+        """Trained policies started from a real checkpoint also become `<role>_hf/`, a folder transformers loads."""
+        from graphrl.models import export_trained
+
+        for name, role in roles.items():
+            spec = self.job.models[role.placement.model]
+            if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
+                export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
+                               spec.checkpoint)
 
 
 def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,

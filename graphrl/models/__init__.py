@@ -10,6 +10,7 @@ writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` reads b
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,7 @@ import torch
 from graphrl.executors.models.llama import Llama, save_hf_checkpoint
 from graphrl.models.checkpoints import checkpoint_dims, is_gguf, load_state
 from graphrl.models.tokenizer import Tokenizer, load_tokenizer
+from graphrl.schemas.model import ModelDims
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -74,4 +76,22 @@ def import_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     return out_dir
 
 
-__all__ = ["checkpoint_dims", "from_pretrained", "import_checkpoint", "load_tokenizer", "save_pretrained"]
+__all__ = ["checkpoint_dims", "export_trained", "from_pretrained", "import_checkpoint", "load_tokenizer", "save_pretrained"]
+
+
+def export_trained(folder: str | Path, dims: ModelDims, weights: dict[str, torch.Tensor],
+                   tokenizer_source: str | Path | None) -> Path:
+    """A trained policy's weights as a Hugging Face folder, with the tokenizer of the checkpoint it began from."""
+    from safetensors.torch import save_file
+
+    from graphrl.executors.models.llama import hf_config_from_dims
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    dtype = next(iter(tensors.values())).dtype
+    (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_source is not None and _has_tokenizer(Path(tokenizer_source)):
+        load_tokenizer(tokenizer_source).save_pretrained(str(folder))
+    return folder
