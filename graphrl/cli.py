@@ -6,6 +6,7 @@ no traceback; `--debug` shows the traceback. Commands:
   validate JOB          check a job (YAML or Python) and print a summary
   schema                JSON Schema of the job file (for editors)
   graph JOB             the job graph as text, Graphviz DOT or JSON
+  import SRC OUT_DIR    convert a GGUF file or HF folder once into a safetensors folder with its tokenizer
 """
 
 from __future__ import annotations

@@ -157,3 +157,34 @@ def test_gguf_file_written_by_gguf_loads(tmp_path) -> None:
 def test_missing_checkpoint_is_a_user_error(tmp_path) -> None:
     with pytest.raises(GraphRLError, match="does not exist"):
         from_pretrained(tmp_path / "nowhere")
+
+
+def test_any_of_several_stop_ids_ends_a_row(tmp_path) -> None:
+    hf = _hf_model(tie=True, llama3_rope=False)
+    hf.save_pretrained(tmp_path)
+    ours, _ = from_pretrained(tmp_path)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    free = generate(ours, ids, mask, 8, temperature=0.0, eos_id=None)
+    stops = [int(free.response_ids[0, 2]), int(free.response_ids[1, 4])]
+    out = generate(ours, ids, mask, 8, temperature=0.0, eos_id=stops)
+    for row in range(2):
+        first_stop = next(i for i, t in enumerate(free.response_ids[row].tolist()) if t in stops)
+        assert out.response_mask[row].sum() == first_stop + 1  # up to and including the first stop token
+        assert torch.equal(out.response_ids[row, :first_stop + 1], free.response_ids[row, :first_stop + 1])
+
+
+def test_graphrl_import_writes_a_folder_that_loads(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from graphrl.cli import main
+
+    hf = _hf_model(tie=False, llama3_rope=True)
+    hf.save_pretrained(tmp_path / "src", max_shard_size="40KB")
+    result = CliRunner().invoke(main, ["import", str(tmp_path / "src"), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, hf(input_ids=ids).logits, atol=1e-4, rtol=0)
