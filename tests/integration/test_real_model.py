@@ -28,7 +28,7 @@ def test_two_grpo_steps_of_the_smollm2_example(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     data = tmp_path / "data"
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_arith_data.py"), "--out", str(data), "--train", "32",
+    subprocess.run([sys.executable, str(REPO / "examples" / "arith" / "make_arith_data.py"), "--out", str(data), "--train", "32",
                     "--test", "4", "--model"], check=True, capture_output=True)
     job = (REPO / "examples" / "grpo_smollm2_arith.yaml").read_text()
     job = job.replace("batch_size: 4", "batch_size: 2").replace("max_new_tokens: 40", "max_new_tokens: 12")

@@ -1,7 +1,7 @@
 """Held-out accuracy of a model folder on examples/data/arith_test.jsonl (greedy, numeric-answer rule).
 
-    python examples/eval_arith.py examples/data/smollm2-135m                      # before training
-    python examples/eval_arith.py runs/grpo_smollm2_arith/checkpoints/step_000019/policy_hf   # after
+    python examples/arith/eval_arith.py examples/data/smollm2-135m                      # before training
+    python examples/arith/eval_arith.py runs/grpo_smollm2_arith/checkpoints/step_000019/policy_hf   # after
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from graphrl.models.tokenizer import decode_responses, encode_left_padded, pad_t
 from graphrl.rewards import numeric_answer
 from graphrl.schemas.job import PromptFields
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # examples/
 
 
 def main() -> None:

