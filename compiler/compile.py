@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from graphrl.errors import GraphRLError
 from graphrl.ir import JobGraph, build_graph
@@ -30,12 +30,15 @@ def plan_of(graph: JobGraph, cluster: ClusterSpec) -> Plan:
     )
 
 
-def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **options: Any) -> JobGraph:
-    """The final graph of the pipeline, with every pass's attributes (placement, programs ...)."""
+def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False,
+                  progress: Callable[[str], None] | None = None, **options: Any) -> JobGraph:
+    """The final graph of the pipeline, with every pass's attributes (placement, programs ...).
+    `progress` hears the name of each pass as it starts."""
     hardware = resolve_hardware(cluster)
     ctx = CompileContext(job.spec, cluster, hardware, dict(options))
+    on_start = (lambda p: progress(p.name)) if progress is not None else None
     try:
-        graph = run_passes(build_graph(job.spec), ctx, PIPELINE, check=check)
+        graph = run_passes(build_graph(job.spec), ctx, PIPELINE, check=check, on_start=on_start)
     except GraphRLError as exc:
         if exc.path and exc.location is None:
             exc.location = job.source.locate(exc.path)

@@ -109,6 +109,7 @@ class WeightSyncPlan:
     src_bytes_per_elem: int
     dst_bytes_per_elem: int
     bucket_bytes: int  # the bucket size limit the plan was made with
+    num_pairs: int = 0  # (sender, receiver) pairs with at least one bucket
 
     @property
     def is_noop(self) -> bool:
@@ -310,6 +311,7 @@ def _plan(
         src_bytes_per_elem=src_bytes_per_elem,
         dst_bytes_per_elem=dst_bytes_per_elem,
         bucket_bytes=bucket_bytes,
+        num_pairs=sum(len(receivers) for receivers in sends.values()),
     )
 
 
@@ -636,7 +638,7 @@ def plan_summary(plan: WeightSyncPlan) -> dict[str, Any]:
     return {
         "num_rounds": len(plan.rounds),
         "num_buckets": len(buckets),
-        "num_pairs": len({(b.src, b.dst) for b in buckets}),
+        "num_pairs": plan.num_pairs,
         "num_senders": len(loads),
         "num_receivers": len(recv),
         "total_bytes": plan.total_bytes,

@@ -86,6 +86,20 @@ def split_bounds(length: int, num_pieces: int, index: int) -> tuple[int, int]:
     return start, start + q + (1 if index < r else 0)
 
 
+def chunk_bounds(length: int, num_pieces: int, index: int) -> tuple[int, int]:
+    """(start, stop) of piece `index` when `length` is sharded over `num_pieces` ranks the way DTensor's
+    `Shard` and FSDP2 do (torch.chunk: pieces of ceil(length / num_pieces), the last ones shorter or
+    empty). Shard regions follow this, so a planned region is exactly what a DTensor rank holds."""
+    size = -(-length // num_pieces)
+    start = min(index * size, length)
+    return start, min(start + size, length)
+
+
+# Axes sharding the same tensor dim nest in the order torch applies them: `parallelize_module` cuts
+# the full tensor over tp first, then `fully_shard` cuts each tp shard over fsdp (a strided shard).
+_NESTING = {MeshAxis.TP: 0, MeshAxis.FSDP: 1}
+
+
 @dataclass(frozen=True)
 class Mesh:
     """Global ranks laid out row-major over ordered, named axes (the last axis varies fastest)."""
@@ -209,7 +223,8 @@ def pp_stage(param: ParamInfo, num_stages: int) -> int:
 def normalize_layout(
     layout: ParamLayout, mesh: Mesh, shape: Sequence[int], name: str = "?"
 ) -> tuple[tuple[int, ...], ...]:
-    """For each tensor dim, the positions (in mesh order) of the mesh axes that shard it.
+    """For each tensor dim, the positions in the mesh of the axes that shard it, outermost cut first
+    (tp before fsdp, see `_NESTING`; otherwise mesh order).
 
     Checks the layout against the tensor: a Shard dim must exist, and pp may not slice a tensor.
     Axes the mesh does not have are ignored (they have size 1).
@@ -235,7 +250,7 @@ def normalize_layout(
             raise PlacementError(
                 f"parameter {name} of shape {tuple(shape)}: Shard({placement.dim}) on {axis.value} names no dim"
             )
-    for pos, (axis, size) in enumerate(mesh.axes):
+    for pos, (axis, size) in sorted(enumerate(mesh.axes), key=lambda item: _NESTING.get(item[1][0], 2)):
         placement = layout.get(axis)
         if isinstance(placement, Shard) and size > 1:
             per_dim[placement.dim].append(pos)
@@ -250,10 +265,8 @@ def region_of(
     for length, positions in zip(shape, dim_axes):
         start = 0
         for pos in positions:
-            k, i = sizes[pos], coords[pos]
-            q, r = divmod(length, k)
-            start += i * q + min(i, r)
-            length = q + (1 if i < r else 0)
+            lo, hi = chunk_bounds(length, sizes[pos], coords[pos])
+            start, length = start + lo, hi - lo
         out.append((start, start + length))
     return tuple(out)
 

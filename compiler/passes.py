@@ -127,10 +127,14 @@ def run_passes(
     *,
     check: bool = False,
     on_pass: Callable[[Pass, JobGraph], None] | None = None,
+    on_start: Callable[[Pass], None] | None = None,
 ) -> JobGraph:
-    """Run `passes` in order, enforcing each contract; `check` runs the invariants between passes."""
+    """Run `passes` in order, enforcing each contract; `check` runs the invariants between passes.
+    `on_start` hears of each pass before it runs (a progress line), `on_pass` after."""
     done: list[str] = []
     for p in passes:
+        if on_start is not None:
+            on_start(p)
         missing = [fact for fact in p.requires if not graph.has(fact)]
         if missing:
             raise PassFailure(p.name, done, f"requires {', '.join(missing)}, which no earlier pass ensured")

@@ -43,6 +43,7 @@ from graphrl.schemas.plan import (
 
 from graphrl.compiler import cost
 from graphrl.compiler.roles import Role, Workload, derive_roles, derive_workload
+from graphrl.compiler.typecheck import tp_split_problem
 
 GB = 1e9
 # Bytes of one response in flight between meshes: prompt and response ids (int64), masks (bool),
@@ -176,8 +177,7 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def _tp_ok(role: Role, tp: int) -> bool:
-    d = role.dims
-    return d.num_heads % tp == 0 and (d.num_kv_heads % tp == 0 or tp % d.num_kv_heads == 0)
+    return tp_split_problem(role.dims, tp, role.kind) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -405,7 +405,10 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
     hint = p.hint(role.name)
     out = []
     tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(n, 2 * p.per_node)) if _tp_ok(role, t)]
-    pps = [hint.pp] if hint.pp else [q for q in _pow2_upto(min(n, 16)) if q <= role.dims.num_layers]
+    # The executors do not run pipeline parallelism yet, so the search never proposes it: a plan the
+    # search chooses must run. A pinned pp is still laid out and costed (the preview shows it), and
+    # `graphrl run` refuses it up front.
+    pps = [hint.pp] if hint.pp else [1]
     shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
     offloads = [hint.offload] if hint.offload is not None else [False, True]
     for tp in tps:
@@ -413,9 +416,12 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
             if n % (tp * pp):
                 continue
             d = n // (tp * pp)
-            splits = [(hint.dp or 1, d // (hint.dp or 1))] if hint.dp else [(1, d)]
-            if hint.fsdp:
+            if hint.dp and hint.fsdp:  # both pinned: both honoured (their product must fill the mesh)
+                splits = [(hint.dp, hint.fsdp)]
+            elif hint.fsdp:
                 splits = [(d // hint.fsdp, hint.fsdp)]
+            else:
+                splits = [(hint.dp, d // hint.dp)] if hint.dp else [(1, d)]
             for dp, fsdp in splits:
                 if dp * fsdp != d or dp < 1 or fsdp < 1:
                     continue
@@ -434,7 +440,8 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     hint = p.hint(role.name)
     tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(n, 2 * p.per_node)) if _tp_ok(role, t)]
     precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if p.hw.peak_fp8_flops > 0 else ["bf16"])
-    return [GenCfg(first, n, tp, prec) for tp in tps if n % tp == 0 for prec in precisions]
+    return [GenCfg(first, n, tp, prec) for tp in tps if n % tp == 0 and (not hint.dp or hint.dp * tp == n)
+            for prec in precisions]
 
 
 def _splits(p: Problem) -> list[tuple[int, int, int, int]]:
@@ -467,9 +474,12 @@ def _reject(ev: Evaluated, role: str, needed: float, available: float, why: str)
     return ev
 
 
-def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None) -> Evaluated:
+def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: MeshMemory | None = None,
+                       times: dict[str, float] | None = None) -> Evaluated:
+    """One colocated candidate. `mem` and `times` are the trainer's own figures (they do not depend on
+    the generator), passed in when the search already has them for this trainer."""
     ev = Evaluated("colocated", train, gen, fits=True)
-    mem = trainer_mesh_memory(p, train)
+    mem = mem or trainer_mesh_memory(p, train)
     if mem.peak > p.usable:
         return _reject(ev, p.policy.name, mem.peak, p.usable,
                        f"trainer mesh needs {mem.peak / GB:.1f} GB per device, {p.usable / GB:.1f} GB usable")
@@ -485,7 +495,7 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None) -> Evalu
                            f"beside {resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
         phases["generate"] = res[0]
         phases["reshard_in_place"] = reshard_in_place_time(p, train, gen)[0]
-    times = trainer_times(p, train)
+    times = times or trainer_times(p, train)
     phases.update(infer=times["infer"], train=times["train"], offload=times["offload"])
     ev.phases = {k: v for k, v in phases.items() if v > 0 or k in ("generate", "train")}
     ev.step_time_s = sum(ev.phases.values())
@@ -556,9 +566,11 @@ def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResu
         n = p.num_devices
         gens = _gen_cfgs(p, 0, n) if p.generator else [None]
         for train in _train_cfgs(p, 0, n):
+            mem = trainer_mesh_memory(p, train)
+            times = trainer_times(p, train) if mem.peak <= p.usable else None
             for gen in gens:
                 considered += 1
-                colocated.append(evaluate_colocated(p, train, gen))
+                colocated.append(evaluate_colocated(p, train, gen, mem=mem, times=times))
     if "colocated" in strategies:
         evaluated.extend(colocated)
     if "disaggregated" in strategies:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from graphrl.ir import JobGraph
 from graphrl.schemas.plan import Plan
@@ -49,9 +49,9 @@ def simulate_window(programs: Programs, plan: Plan, trace_ranks: set[int] | None
 
 
 def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Path | None = None,
-                    gantt: bool = True) -> SimReport:
+                    gantt: bool = True, progress: Callable[[str], None] = lambda stage: None) -> SimReport:
     """Simulate `plan.programs`; with `graph` (the compiled job the plan came from) also the same
-    placement under the other schedule and the baseline layout."""
+    placement under the other schedule and the baseline layout. `progress` hears each stage."""
     if plan.programs is None:
         from graphrl.errors import PlanFileError
 
@@ -66,15 +66,20 @@ def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Pa
     def step_time(other: Programs) -> float:
         return simulate_window(other, plan)[0].step_time_s
 
+    progress("the chosen programs")
     chosen, run_s = simulate_window(programs, plan, trace_ranks if (trace_path or gantt) else None)
     sync_s, async_s, baseline_s = chosen.step_time_s, None, None
     if graph is not None:
         pl = graph["placement"]
         problem, ev = pl["problem"], pl["chosen_eval"]
         if layout.strategy == "disaggregated":
-            sync_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode="sync"))
-            async_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode="async"))
+            # The chosen programs already run under the job's own schedule; build only the other one.
+            other = "sync" if plan.job.schedule.mode == "async" else "async"
+            progress(f"the same placement, {other}")
+            other_s = step_time(build_programs(graph, problem, ev, layout, steps=steps, mode=other))
+            sync_s, async_s = (other_s, chosen.step_time_s) if other == "sync" else (chosen.step_time_s, other_s)
         if pl["baseline_eval"] is not None:
+            progress("the baseline layout")
             baseline_s = step_time(build_programs(graph, problem, pl["baseline_eval"], pl["baseline"], steps=steps,
                                                   mode="sync"))
     elif plan.baseline is not None:

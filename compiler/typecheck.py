@@ -7,23 +7,34 @@ Checks, each failing with the place in the job file and a fix:
 - symbolic sizes unify along edges and agree with the sizes nodes bind (batch size, prompt length,
   group size, response length): one union-find over (node, symbol) pairs, walked in topological order
   so a conflict is reported at the first input that contradicts what is already known;
-- reward functions and tasks resolve; a KL penalty has its reference log-probs.
+- reward functions and tasks resolve; a KL penalty has its reference log-probs;
+- placement pins name roles of the job and can be held: tp splits the model's heads, pp its layers and,
+  once the cluster is known (`graphrl compile`, or `validate` of a job that names its cluster), every
+  pinned axis and their product fit the devices the role's mesh can have. A pin the hardware cannot
+  hold is refused here, naming the field, instead of leaving the search without a candidate or the
+  run to crash.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Hashable
 
 import networkx as nx
 
-from graphrl.errors import JobError
+from graphrl.errors import JobError, PlacementError
 from graphrl.ir import DataEdge, JobGraph
 from graphrl.ops import OPS, op_kind
+from graphrl.schemas.algorithms import LOSSES
+from graphrl.schemas.cluster import ClusterSpec
+from graphrl.schemas.job import RoleHint, parse_device_range
+from graphrl.schemas.model import ModelDims
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
 
 from graphrl.compiler.passes import CompileContext, compiler_pass
+from graphrl.compiler.roles import Role, derive_roles
 
 
 @dataclass
@@ -222,7 +233,7 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
     job = graph.job
     warnings: list[str] = []
     for node in graph.nodes():
-        if node.op != "train" or node.spec.loss == "critic":
+        if node.op != "train" or LOSSES[node.spec.loss].trains == "critic":
             continue
         ports = {e.dst_port for e in graph.in_edges(node.name)}
         if job.algorithm.kl_coef > 0 and "ref_logprobs" not in ports:
@@ -231,11 +242,200 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
                 path=("algorithm", "kl_coef"),
                 fix=f"connect nodes.{node.name}.inputs.ref_logprobs to a reference logprob node, or set kl_coef: 0",
             )
-        if job.schedule.mode == "async" and node.spec.loss != "aipo":
+        if job.schedule.mode == "async" and not LOSSES[node.spec.loss].off_policy:
+            corrected = ", ".join(name for name in LOSSES.names() if LOSSES[name].off_policy)
             warnings.append(
                 f"nodes.{node.name}.loss: schedule is async but loss is {node.spec.loss!r}; off-policy "
-                "batches are not importance-corrected (use loss: aipo)"
+                f"batches are not importance-corrected (use loss: {corrected})"
             )
+    return tuple(warnings)
+
+
+# --- placement pins -----------------------------------------------------------------------------------
+
+def tp_split_problem(dims: ModelDims, tp: int, kind: str = "generate") -> str | None:
+    """Why `tp` tensor-parallel shards cannot split this model evenly for a role of `kind`, or None when
+    they can: the query heads and the feed-forward width divide by tp; the KV heads divide by tp, or,
+    for generation only (fewer KV heads than shards), tp divides by them and each KV head is replicated
+    on tp / num_kv_heads shards. A trainer's shards are DTensors of one layout, which never replicate."""
+    if dims.num_heads % tp:
+        return f"tp {tp} does not divide the {dims.num_heads} attention heads"
+    if kind == "train" and dims.num_kv_heads % tp:
+        return f"tp {tp} does not divide the {dims.num_kv_heads} KV heads (a trainer does not replicate KV heads)"
+    if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
+        return (f"tp {tp} neither divides the {dims.num_kv_heads} KV heads nor is a multiple of them "
+                "(to replicate each KV head)")
+    if dims.intermediate_size % tp:
+        return f"tp {tp} does not divide the feed-forward width {dims.intermediate_size}"
+    return None
+
+
+# Which pins each kind of role's layout reads: a trainer mesh is dp x fsdp x tp x pp with a sharding and
+# optional offload; a generator is dp replicas of tp shards in some precision.
+_AXES = {"train": ("dp", "fsdp", "tp", "pp"), "generate": ("dp", "tp")}
+_USED = {"train": {"devices", "dp", "fsdp", "tp", "pp", "sharding", "offload"},
+         "generate": {"devices", "dp", "tp", "precision"}}
+
+
+def _mesh_splits(job, policy: Role | None, generator: Role | None, cluster: ClusterSpec) -> list[tuple[int, int]]:  # noqa: ANN001
+    """(trainer devices, generator devices) of every mesh split the placement search tries: the whole
+    cluster for both when colocated (device ranges do not apply there), and for disaggregated layouts
+    the pinned ranges (one range implies the other) or every split at node granularity."""
+    placement, n = job.placement, cluster.num_devices
+    together = generator is None or any(generator.name in g and policy is not None and policy.name in g
+                                        for g in placement.colocate)
+    splits = [] if placement.strategy == "disaggregated" and not together else [(n, n)]
+    if together or placement.strategy == "colocated":
+        return splits
+    hints = placement.roles
+    own = {r: hints[r.name].devices for r in (policy, generator) if r is not None and r.name in hints}
+    g_range, t_range = own.get(generator), own.get(policy)
+    if g_range or t_range:
+        g = parse_device_range(g_range) if g_range else None
+        t = parse_device_range(t_range) if t_range else None
+        g = g or ((t[1], n) if t[0] == 0 else (0, t[0]))
+        t = t or ((g[1], n) if g[0] == 0 else (0, g[0]))
+        return splits + ([(t[1] - t[0], g[1] - g[0])] if g[1] > g[0] and t[1] > t[0] else [])
+    unit = cluster.devices_per_node if n >= 2 * cluster.devices_per_node else 1
+    return splits + [(n - g, g) for g in range(unit, n, unit)]
+
+
+def _pow2_upto(n: int) -> list[int]:
+    return [1 << k for k in range(n.bit_length()) if 1 << k <= n]
+
+
+def _layout_exists(role: Role, hint: RoleHint, size: int, per_node: int) -> bool:
+    """Whether some layout of `size` devices that the search enumerates honours the role's pins."""
+    tps = [hint.tp] if hint.tp else [t for t in _pow2_upto(min(size, 2 * per_node))
+                                     if tp_split_problem(role.dims, t, role.kind) is None]
+    if role.kind == "generate":
+        return any(size % tp == 0 and (not hint.dp or hint.dp * tp == size) for tp in tps)
+    for tp in tps:
+        pp = hint.pp or 1
+        if size % (tp * pp):
+            continue
+        d = size // (tp * pp)
+        if hint.dp and hint.fsdp:
+            if hint.dp * hint.fsdp == d:
+                return True
+        elif d % (hint.dp or hint.fsdp or 1) == 0:
+            return True
+    return False
+
+
+def _where(sizes: set[int], own_range: str | None, colocated_only: bool) -> str:
+    if colocated_only:
+        return f"the {max(sizes)} devices of the cluster (a colocated layout uses them all)"
+    if own_range is not None and len(sizes) == 1:
+        return f"the {_devices(max(sizes))} of its range {own_range!r}"
+    return f"{' or '.join(map(str, sorted(sizes)))} devices"
+
+
+def _devices(n: int) -> str:
+    return f"{n} device" if n == 1 else f"{n} devices"
+
+
+def _check_pin_devices(job, key: str, role: Role, hint: RoleHint, policy: Role, generator: Role | None,  # noqa: ANN001
+                       cluster: ClusterSpec) -> None:
+    """The role's pinned range lies in the cluster, and its pinned axes fit a mesh the search can give it."""
+    path, n = ("placement", "roles", key), cluster.num_devices
+    if hint.devices is not None and parse_device_range(hint.devices)[1] > n:
+        raise PlacementError(f"device range {hint.devices!r} is outside the cluster's {n} devices (0-{n - 1})",
+                             path=path + ("devices",), fix="pin a range inside the cluster")
+    splits = _mesh_splits(job, policy, generator, cluster)
+    sizes = {pair[0 if role is policy else 1] for pair in splits}
+    if not sizes:
+        raise PlacementError(f"the device ranges leave {key!r} no devices", path=path + ("devices",),
+                             fix="pin ranges that split the cluster between the trainer and the generator")
+    where = _where(sizes, hint.devices, splits == [(n, n)])
+    axes = {a: getattr(hint, a) for a in _AXES[role.kind] if getattr(hint, a) is not None}
+    for axis, size in axes.items():
+        if size > max(sizes):
+            raise PlacementError(f"{axis} {size} needs {size} devices; the mesh of {key!r} has {where}",
+                                 path=path + (axis,), fix=f"pin {axis} <= {max(sizes)}, or use a larger cluster")
+    product = math.prod(axes.values())
+    spelled = " x ".join(f"{a} {v}" for a, v in axes.items())
+    if not any(s % product == 0 for s in sizes):
+        if len(axes) == 1:
+            (axis,) = axes
+            raise PlacementError(f"{axis} {product} does not divide {where}", path=path + (axis,),
+                                 fix="pin a size that divides the mesh's devices")
+        raise PlacementError(f"{spelled} = {_devices(product)} do not divide {where}", path=path,
+                             fix="pin axes whose product divides the mesh's devices")
+    if len(axes) == len(_AXES[role.kind]) and product not in sizes:
+        raise PlacementError(f"{spelled} = {_devices(product)}, but the mesh of {key!r} has {where}", path=path,
+                             fix=f"make the product of {', '.join(_AXES[role.kind])} equal the mesh's devices, "
+                                 "or leave one axis unpinned")
+    if not any(_layout_exists(role, hint, s, cluster.devices_per_node) for s in sizes):
+        raise PlacementError(f"no {' x '.join(_AXES[role.kind])} layout of {where} holds these pins", path=path,
+                             fix="loosen one of the pinned axes")
+
+
+def _check_pins_share_a_split(job, policy: Role, generator: Role, cluster: ClusterSpec) -> None:  # noqa: ANN001
+    """Each role's pins fit some mesh on their own; both must fit the same split of the cluster."""
+    def holds(role: Role, size: int) -> bool:
+        hint = job.placement.roles.get(role.name)
+        return hint is None or _layout_exists(role, hint, size, cluster.devices_per_node)
+
+    splits = _mesh_splits(job, policy, generator, cluster)
+    if not any(holds(policy, t) and holds(generator, g) for t, g in splits):
+        n = cluster.num_devices
+        pairs = ", ".join(f"both on {t}" if (t, g) == (n, n) else f"{t}+{g}" for t, g in splits)
+        raise PlacementError(f"the pins of {policy.name!r} and {generator.name!r} fit no common split of the "
+                             f"{n} devices (trainer+generator: {pairs})", path=("placement", "roles"),
+                             fix="loosen the pins of one of the two roles")
+
+
+def _check_pins(graph: JobGraph, cluster: ClusterSpec | None) -> tuple[str, ...]:
+    """Refuse pins no layout can hold (against the model, and against the cluster when it is known);
+    warn about pins that the role's layout does not read."""
+    job = graph.job
+    placement = job.placement
+    roles = {r.name: r for r in derive_roles(graph)}
+    # The search lays out the first trained model's mesh (every train and frozen role shares it) and the
+    # first generator; see compiler/placement.py.
+    policy = next((r for r in roles.values() if r.kind == "train"), None)
+    generator = next((r for r in roles.values() if r.kind == "generate"), None)
+    warnings: list[str] = []
+    for i, group in enumerate(placement.colocate):
+        for name in group:
+            if name not in roles:
+                raise PlacementError(f"unknown role {name!r} in a colocate group", path=("placement", "colocate", i),
+                                     fix=f"roles of this job: {', '.join(roles)}")
+    for key, hint in placement.roles.items():
+        path = ("placement", "roles", key)
+        role = roles.get(key)
+        if role is None:
+            raise PlacementError(f"unknown role {key!r}", path=path,
+                                 fix=f"roles of this job: {', '.join(roles)} (a model's training copy is named "
+                                     "after the model, its generation copy '<model>/generate')")
+        pinned = {f for f, v in hint.model_dump().items() if v is not None}
+        if hint.precision is not None and role.kind != "generate":
+            raise PlacementError("only generation copies have a precision", path=path + ("precision",),
+                                 fix=f"pin precision on '{role.model}/generate'")
+        if policy is None or role not in (policy, generator):
+            if pinned:
+                owner = policy.name if policy is not None else "the trainer"
+                warnings.append(f"{'.'.join(path)}: ignored: {key!r} runs on the trainer's mesh in the layout "
+                                f"of {owner!r}; pin {owner!r} instead")
+            continue
+        unused = sorted(pinned - _USED[role.kind])
+        if unused:
+            warnings.append(f"{'.'.join(path)}: {', '.join(unused)} ignored: a {role.kind} role's layout has no "
+                            f"{'/'.join(unused)}")
+        if hint.devices is not None and placement.strategy == "colocated":
+            warnings.append(f"{'.'.join(path)}.devices: ignored: a colocated layout puts every role on every device")
+        if hint.tp is not None and (why := tp_split_problem(role.dims, hint.tp, role.kind)) is not None:
+            valid = [t for t in range(1, role.dims.num_heads + 1) if tp_split_problem(role.dims, t, role.kind) is None]
+            raise PlacementError(f"{why} (model {role.model!r})", path=path + ("tp",),
+                                 fix=f"use a tp that splits this model: {', '.join(map(str, valid))}")
+        if role.kind == "train" and hint.pp is not None and hint.pp > role.dims.num_layers:
+            raise PlacementError(f"pp {hint.pp} is larger than the {role.dims.num_layers} layers of {role.model}",
+                                 path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
+        if cluster is not None:
+            _check_pin_devices(job, key, role, hint, policy, generator, cluster)
+    if cluster is not None and policy is not None and generator is not None:
+        _check_pins_share_a_split(job, policy, generator, cluster)
     return tuple(warnings)
 
 
@@ -251,9 +451,9 @@ def typecheck(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     _check_consumed(graph)
     sizes = _unify_shapes(graph)
     _check_references(graph)
-    warnings = _check_algorithm(graph)
+    warnings = _check_algorithm(graph) + _check_pins(graph, ctx.cluster)
     frozen = MappingProxyType({k: MappingProxyType(v) for k, v in sizes.items()})
     return graph.with_attr("types", frozen).with_warnings(*warnings)
 
 
-__all__ = ["OPS", "typecheck"]
+__all__ = ["OPS", "tp_split_problem", "typecheck"]

@@ -9,10 +9,14 @@ same, whatever its response's length) and return `(loss, metrics)` with plain-fl
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
+
+from graphrl.registry import Registry
+from graphrl.schemas.job import AdvantageNode, AlgorithmSpec
 
 KLEstimator = Literal["k1", "k3"]
 Metrics = dict[str, float]
@@ -248,3 +252,78 @@ def critic_loss(
         "value_mean": masked_mean(values.detach(), mask).item(),
     }
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The arithmetic of each estimator and policy loss, by the names in graphrl.schemas.algorithms
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read: rewards [N], the response mask [N, R], the critic's values [N, R]
+    (None unless the estimator needs them), the group size and the node's settings."""
+
+    rewards: Tensor
+    mask: Tensor
+    values: Tensor | None
+    group_size: int
+    spec: AdvantageNode
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What a policy loss may read: the current log-probs, the old policy's (None when the job has no
+    old-logprob node), the generator's behaviour log-probs, per-token advantages and the mask."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor | None
+    behaviour_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    algorithm: AlgorithmSpec
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
+"""-> (advantages [N, R], returns [N, R])."""
+PolicyLossFn = Callable[[PolicyLossInputs], tuple[Tensor, Metrics]]
+
+ADVANTAGE_FNS: Registry[AdvantageFn] = Registry("advantage estimator")
+POLICY_LOSS_FNS: Registry[PolicyLossFn] = Registry("policy loss")
+
+
+@ADVANTAGE_FNS.register("grpo")
+def _grpo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    adv = broadcast_to_tokens(grpo_advantages(x.rewards, x.group_size, x.spec.normalize), x.mask)
+    return adv, adv
+
+
+@ADVANTAGE_FNS.register("rloo")
+def _rloo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    adv = broadcast_to_tokens(rloo_advantages(x.rewards, x.group_size), x.mask)
+    return adv, adv
+
+
+@ADVANTAGE_FNS.register("reinforce_pp")
+def _reinforce_pp(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    adv = reinforce_pp_advantages(x.rewards, x.mask, gamma=x.spec.gamma, normalize=x.spec.normalize)
+    return adv, adv
+
+
+@ADVANTAGE_FNS.register("gae")
+def _gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert x.values is not None, "gae reads the critic's values"
+    return gae(x.rewards, x.values, x.mask, x.spec.gamma, x.spec.lam)
+
+
+def _clipped_surrogate(x: PolicyLossInputs) -> tuple[Tensor, Metrics]:
+    old = x.old_logprobs if x.old_logprobs is not None else x.behaviour_logprobs
+    return policy_loss(x.logprobs, old, x.advantages, x.mask, x.algorithm.clip_eps)
+
+
+POLICY_LOSS_FNS.add("ppo", _clipped_surrogate)
+POLICY_LOSS_FNS.add("grpo", _clipped_surrogate)
+
+
+@POLICY_LOSS_FNS.register("aipo")
+def _aipo(x: PolicyLossInputs) -> tuple[Tensor, Metrics]:
+    return aipo_loss(x.logprobs, x.behaviour_logprobs, x.advantages, x.mask, x.algorithm.aipo_rho)

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from graphrl.errors import RunError
 from graphrl.ir import build_graph
-from graphrl.schemas.plan import Plan, RolePlacement
+from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
+from graphrl.schemas.plan import MeshSpec, Plan, RolePlacement
 from graphrl.schemas.program import (
     Advantage,
     Checkpoint,
@@ -49,9 +50,11 @@ from graphrl.tasks import REWARDS, resolve_callable
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.outputs import MetricsWriter, SamplesWriter, save_checkpoint
-from graphrl.executors.parallel import full_state_dict, wrap_trainer
+from graphrl.executors.parallel import (clip_grad_norm, full_state_dict, tensor_parallel_infer, trainer_mesh_groups,
+                                        wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
-from graphrl.executors.runtime import Runtime
+from graphrl.executors.runtime import COLLECTIVE_TIMEOUT_S, Runtime
+from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
 
 ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "behaviour_logprobs")
@@ -78,6 +81,16 @@ def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tens
     out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
     out["version"] = torch.tensor([max(int(p["version"].item()) for p in parts)])
     return out, cursor
+
+
+def response_uniforms(seed: int, step: int, start: int, stop: int, length: int) -> Tensor:
+    """The uniform numbers that sample responses [start, stop) of a step, [stop - start, length]: row i
+    comes from a generator seeded by (seed, step, i) alone, so a response is the same on every layout
+    (however many generator replicas split the batch, at whatever tensor-parallel size)."""
+    rows = [torch.rand(length, generator=torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_048_576 + i),
+                       dtype=torch.float64)
+            for i in range(start, stop)]
+    return torch.stack(rows) if rows else torch.empty(0, length, dtype=torch.float64)
 
 
 @dataclass
@@ -121,6 +134,8 @@ class RankExecutor:
         gen_node = next(n for n in self.graph.nodes() if n.op == "generate")
         data_node = next(n for n in self.graph.nodes() if n.op == "dataset")
         self.gen_node, self.data_node = gen_node, data_node
+        # The policy is the model the rollouts are sampled from; its training role is named after it.
+        self.policy_role = gen_node.spec.model
         self.last_train_node = [n for n in self.graph.topo_order() if self.nodes[n].op == "train"][-1]
         self.group_size = gen_node.spec.samples_per_prompt
         self.seed = plan.job.run.seed
@@ -155,23 +170,32 @@ class RankExecutor:
     def is_reporter(self) -> bool:
         return self.rank == self.trainer_ranks[0]
 
+    def _mesh(self, p: RolePlacement) -> MeshSpec:
+        return next(m for m in self.plan.chosen.meshes if m.name == p.mesh)
+
     def _mesh_has_me(self, p: RolePlacement) -> bool:
-        mesh = next(m for m in self.plan.chosen.meshes if m.name == p.mesh)
-        return self.rank in mesh.devices
+        return self.rank in self._mesh(p).devices
 
     def _build_roles(self, resume_state: dict[str, Any] | None) -> None:
         colocated = self.plan.chosen.strategy == "colocated"
+        # The (fsdp, tp) groups of every tensor-parallel trainer mesh: creating a group is collective
+        # over the whole job, so every rank makes them all, in plan order, before building its roles.
+        self.mesh_groups: dict[str, tuple[Any, Any]] = {}
+        for p in self.plan.chosen.placements:
+            if p.kind != "generate" and p.tp > 1 and p.pp == 1 and p.mesh not in self.mesh_groups:
+                groups = trainer_mesh_groups(tuple(self._mesh(p).devices), p.tp, self.rank, COLLECTIVE_TIMEOUT_S)
+                self.mesh_groups[p.mesh] = groups  # type: ignore[assignment]  # None off this mesh
         for p in self.plan.chosen.placements:
             if not self._mesh_has_me(p):
                 continue
-            if p.tp > 1 or p.pp > 1:
-                raise RunError(f"role {p.role}: tensor/pipeline parallel execution (tp={p.tp}, pp={p.pp}) is not "
-                               "supported by this executor yet", fix="pin tp: 1 and pp: 1 for this role")
+            if p.pp > 1:
+                raise RunError(f"role {p.role} ({p.kind}): pipeline parallelism (pp={p.pp}) is not supported by this "
+                               "executor", fix="pin pp: 1 for this role")
             spec = self.job.models[p.model]
             dims = spec.resolved_dims()
             dtype = _DTYPES[spec.dtype]
-            if p.kind == "generate" and colocated and p.model in self.roles and \
-                    self.roles[p.model].wrapping != "fsdp2":
+            if p.kind == "generate" and p.tp == 1 and colocated and p.model in self.roles and \
+                    self.roles[p.model].wrapping in ("local", "ddp"):
                 # Colocated: generation reads the trainer's own (replicated) weights; nothing to copy.
                 self.roles[p.role] = RoleState(p, self.roles[p.model].module)
                 continue
@@ -184,15 +208,27 @@ class RankExecutor:
 
                 _, state = load_state(spec.checkpoint)
                 module.load_state_dict(state, strict=not is_critic)
+            if p.kind == "generate" and p.tp > 1:
+                module = TensorParallelLlama.from_full(module, self._tensor_parallel_group(p))
             state = RoleState(p, module)
             if p.kind == "train":
                 lr = next((n.spec.lr for n in self.graph.nodes() if n.op == "train" and n.spec.model == p.model and n.spec.lr), None)
                 alg_spec = self.job.algorithm
-                state.wrapped, state.wrapping = wrap_trainer(module, p.sharding, self.rt.group("trainer"),
-                                                             self.rt.device)
+                if p.tp > 1:
+                    state.wrapped, state.wrapping = wrap_tensor_parallel_trainer(
+                        module, p.sharding, tuple(self._mesh(p).devices), p.tp, self.mesh_groups[p.mesh],
+                        self.rt.device)
+                else:
+                    state.wrapped, state.wrapping = wrap_trainer(module, p.sharding, self.rt.group("trainer"),
+                                                                 self.rt.device)
                 state.optimizer = torch.optim.AdamW(module.parameters(), lr=lr or alg_spec.lr, betas=alg_spec.betas,
                                                     weight_decay=alg_spec.weight_decay)
             else:
+                if p.kind == "infer" and p.tp > 1:  # a frozen model on a tensor-parallel trainer mesh
+                    devices = tuple(self._mesh(p).devices)
+                    row = devices.index(self.rank) // p.tp * p.tp
+                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh][1],
+                                                          devices[row:row + p.tp], self.rt.device)
                 module.requires_grad_(False)
             self.roles[p.role] = state
         if resume_state is not None:
@@ -202,6 +238,16 @@ class RankExecutor:
                     if self.roles[role].optimizer is not None and saved.get("optimizer") is not None:
                         self.roles[role].optimizer.load_state_dict(saved["optimizer"])
                     self.roles[role].version = int(saved["version"])
+
+    def _tensor_parallel_group(self, p: RolePlacement) -> TensorParallelGroup:
+        """This rank's place in the group its Generate instructions name (one generator replica)."""
+        name = next((ins.group for ins in self.programs.rank_stream(self.rank)
+                     if isinstance(ins, Generate) and ins.role == p.role), None)
+        ranks = self.programs.groups.get(name) if name is not None else None
+        if ranks is None or len(ranks) != p.tp or self.rank not in ranks:
+            raise RunError(f"rank {self.rank}: role {p.role} has tp={p.tp}, but its Generate instructions name "
+                           f"group {name!r} with ranks {ranks}", fix="recompile the plan")
+        return TensorParallelGroup(list(ranks).index(self.rank), p.tp, self.rt.group(name))
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -280,14 +326,14 @@ class RankExecutor:
         p_lo, p_hi = ins.start // g, ins.stop // g
         prompt_ids = prompt_ids[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
         prompt_mask = prompt_mask[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
-        sampler = torch.Generator(device=self.rt.device).manual_seed(self.seed * 7_368_787 + ins.step * 65_537 + ins.start)
         spec = self.gen_node.spec
+        uniforms = response_uniforms(self.seed, ins.step, ins.start, ins.stop, spec.max_new_tokens).to(self.rt.device)
         module = role.module
         was_training = module.training
         module.eval()
         with torch.no_grad():
             out = generate(module, prompt_ids, prompt_mask, spec.max_new_tokens, temperature=spec.temperature,
-                           top_p=spec.top_p, generator=sampler, eos_id=self.source.stop_ids,
+                           top_p=spec.top_p, uniforms=uniforms, eos_id=self.source.stop_ids,
                            pad_id=self.source.pad_id)
         module.train(was_training)
         response_ids = out.response_ids
@@ -312,7 +358,7 @@ class RankExecutor:
         role = self._forward_role(ins)
         r = self.read(ins, "rollouts")
         with torch.no_grad():
-            if role.wrapped is not None:  # a trained model: its forward runs through DDP / FSDP2
+            if role.wrapped is not None:  # trained (DDP / FSDP2) or tensor-parallel: through its wrapper
                 lp, _ = role.wrapped(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
             else:
                 lp, _ = token_logprobs_and_entropy(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
@@ -369,19 +415,9 @@ class RankExecutor:
         spec = self.nodes[ins.node].spec
         rewards = self.read(ins, "rewards")
         r = self.read(ins, "rollouts")
-        mask = r["response_mask"]
-        if spec.estimator == "grpo":
-            adv = alg.broadcast_to_tokens(alg.grpo_advantages(rewards, self.group_size, spec.normalize), mask)
-            returns = adv
-        elif spec.estimator == "rloo":
-            adv = alg.broadcast_to_tokens(alg.rloo_advantages(rewards, self.group_size), mask)
-            returns = adv
-        elif spec.estimator == "reinforce_pp":
-            adv = alg.reinforce_pp_advantages(rewards, mask, gamma=spec.gamma, normalize=spec.normalize)
-            returns = adv
-        else:
-            values = self.read(ins, "values")
-            adv, returns = alg.gae(rewards, values, mask, spec.gamma, spec.lam)
+        values = self.read(ins, "values") if ESTIMATORS[spec.estimator].needs_values else None
+        inputs = alg.AdvantageInputs(rewards, r["response_mask"], values, self.group_size, spec)
+        adv, returns = alg.ADVANTAGE_FNS[spec.estimator](inputs)
         self.values[(ins.step, ins.node, "advantages")] = {"advantages": adv.float(), "returns": returns.float()}
 
     def train_step(self, ins: TrainStep) -> None:
@@ -397,10 +433,11 @@ class RankExecutor:
         mask = r["response_mask"]
         assert role.wrapped is not None and role.optimizer is not None
         module = role.wrapped
+        scale = self._token_mean_scale(role, mask)
         metrics: dict[str, float] = {}
         for _ in range(a.updates_per_step):
             role.optimizer.zero_grad(set_to_none=True)
-            if spec.loss == "critic":
+            if LOSSES[spec.loss].trains == "critic":
                 values = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
                 old = self.read(ins, "values")
                 loss, metrics = alg.critic_loss(values, old, adv["returns"], mask, a.value_clip)
@@ -408,11 +445,8 @@ class RankExecutor:
                 logprobs, entropy = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
                 old = self.read(ins, "old_logprobs")
                 behaviour = r["behaviour_logprobs"]
-                if spec.loss == "aipo":
-                    loss, metrics = alg.aipo_loss(logprobs, behaviour, adv["advantages"], mask, a.aipo_rho)
-                else:
-                    loss, metrics = alg.policy_loss(logprobs, old if old is not None else behaviour,
-                                                    adv["advantages"], mask, a.clip_eps)
+                inputs = alg.PolicyLossInputs(logprobs, old, behaviour, adv["advantages"], mask, a)
+                loss, metrics = alg.POLICY_LOSS_FNS[spec.loss](inputs)
                 ref = self.read(ins, "ref_logprobs")
                 if ref is not None and a.kl_coef > 0:
                     kl, kl_metrics = alg.kl_penalty(logprobs, ref, mask, a.kl_estimator)
@@ -422,21 +456,40 @@ class RankExecutor:
                     ent, _ = alg.entropy_bonus(entropy, mask)
                     loss = loss + a.entropy_coef * ent
                 metrics["entropy"] = float(alg.masked_mean(entropy.detach(), mask))
-            loss.backward()  # DDP / FSDP2 reduce the gradients over the trainer's data-parallel ranks
-            grad_norm = torch.nn.utils.clip_grad_norm_(role.module.parameters(), a.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            loss = loss * scale
+            loss.backward()  # DDP / FSDP2 average the gradients over the trainer's data-parallel ranks
+            grad_norm = clip_grad_norm(list(role.module.parameters()), a.max_grad_norm)
             role.optimizer.step()
             metrics["loss"] = float(loss.detach())
             metrics["grad_norm"] = float(grad_norm)
         role.version = ins.version
-        if ins.role == self.plan.chosen.placements[0].role:
+        if ins.role == self.policy_role:
             self._report(ins, r, metrics)
         if ins.node == self.last_train_node:  # the step's data is no longer needed
             for key in [k for k in self.values if k[0] <= ins.step]:
                 del self.values[key]
             for step in [k for k in self.pieces if k <= ins.step]:
                 del self.pieces[step]
+
+    def _data_parallel_group(self, role: RoleState) -> Any:
+        """The group over which `role`'s gradients are averaged (its tp ranks share their data)."""
+        if role.placement.tp > 1:
+            return self.mesh_groups[role.placement.mesh][0]
+        return self.rt.group("trainer")
+
+    def _token_mean_scale(self, role: RoleState, mask: Tensor) -> float:
+        """What turns this rank's token mean into its share of the token mean over the whole batch.
+
+        The losses average over this rank's tokens, and the data-parallel wrappers average gradients
+        over ranks; with n ranks holding t_r of T tokens, scaling rank r's loss by n * t_r / T makes
+        the averaged gradient (and the reported mean loss) the batch's token mean, as on one rank."""
+        group = self._data_parallel_group(role)
+        if group is None:
+            return 1.0
+        counts = torch.tensor([float(mask.sum()), 1.0], dtype=torch.float64)
+        dist.all_reduce(counts, group=group)
+        total, ranks = float(counts[0]), float(counts[1])
+        return ranks * float(mask.sum()) / total if total > 0 else 1.0
 
     def _report(self, ins: TrainStep, r: dict[str, Tensor], metrics: dict[str, float]) -> None:
         """All-reduce the step's figures over the trainer group and let its first rank write them."""
@@ -457,7 +510,8 @@ class RankExecutor:
                 "reward_mean": float(local[0] / max(local[1], 1)),
                 **{k: float(local[3 + i] / n_ranks) for i, k in enumerate(names)},
                 "step_time_s": step_time,
-                "tokens_per_s": float(local[2]) / step_time if step_time > 0 else 0.0,
+                # the tp ranks of a data shard each count its tokens
+                "tokens_per_s": float(local[2]) / self.roles[ins.role].placement.tp / step_time if step_time > 0 else 0.0,
                 "weight_version": int(r["version"].item()),
             }
             row.setdefault("kl", 0.0)
@@ -514,7 +568,9 @@ class RankExecutor:
         src, dst = self.roles[ins.src_role], self.roles[ins.dst_role]
         if src.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
-        if dst.module is not src.module:
+        if isinstance(dst.module, TensorParallelLlama):
+            dst.module.load_full(full_state_dict(src.module))  # keeps only this rank's shards
+        elif dst.module is not src.module:
             dst.module.load_state_dict(full_state_dict(src.module))
         dst.version = ins.version
 

@@ -11,13 +11,22 @@ them is a thin adapter whose forward is exactly that computation. Its parameters
   backward). The ZeRO variants' optimizer-state sharding is a memory-accounting choice of the plan;
   this executor keeps the optimizer state replicated.
 - one data-parallel rank: the adapter as it is.
+- `tp > 1` (`wrap_tensor_parallel_trainer`): a 2-D `DeviceMesh` (fsdp, tp) over the trainer's ranks as
+  the plan lays them out (tp fastest); `parallelize_module` shards the weights over tp as the plan's
+  `llama_param_layout` says (q/k/v/gate/up colwise, o/down rowwise, embedding and head by vocabulary
+  rows), then `fully_shard` on the fsdp dimension, layer by layer, as above. Log-probabilities come
+  back replicated over tp, so every tp rank computes the same loss; gradients are reduced over fsdp.
 """
 
 from __future__ import annotations
 
+import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphrl.executors.models.llama import LlamaCritic, token_logprobs_and_entropy, token_values
@@ -33,6 +42,40 @@ class PolicyForward(nn.Module):
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor) -> tuple[Tensor, Tensor]:
         return token_logprobs_and_entropy(self.model, prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+class _WholeLogits:
+    """What `token_logprobs_and_entropy` reads of a tensor-parallel model: its hidden states (plain,
+    replicated over tp), and logits over the whole vocabulary as a plain tensor. An untied head's
+    parallel style already returns them whole; a tied head multiplies by the vocab-sharded embedding
+    DTensor, whose product is gathered here, so no DTensor reaches the loss (or its backward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.model.hidden_states(input_ids, attention_mask)
+
+    def logits(self, hidden_bth: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if self.model.lm_head is not None:  # through the module, so its parallel style gathers the vocabulary
+            return self.model.lm_head(hidden_bth).float()
+        weight = self.model.model.embed_tokens.weight
+        if not isinstance(weight, DTensor):
+            return self.model.logits(hidden_bth)
+        mesh = weight.device_mesh
+        x = DTensor.from_local(hidden_bth, mesh, [Replicate()] * mesh.ndim)
+        return F.linear(x, weight).redistribute(placements=[Replicate()] * mesh.ndim).to_local().float()
+
+
+class TensorParallelPolicyForward(PolicyForward):
+    """`PolicyForward` of a tensor-parallel model: (logprobs, entropy) [B, R], plain and replicated over tp."""
+
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                response_mask: Tensor) -> tuple[Tensor, Tensor]:
+        return token_logprobs_and_entropy(_WholeLogits(self.model), prompt_ids, prompt_mask,  # type: ignore[arg-type]
+                                          response_ids, response_mask)
 
 
 class CriticForward(nn.Module):
@@ -64,6 +107,109 @@ def wrap_trainer(model: nn.Module, sharding: str, group: Any, device: torch.devi
 
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(adapter, process_group=group, device_ids=device_ids), "ddp"
+
+
+def trainer_mesh_groups(ranks: tuple[int, ...], tp: int, rank: int, timeout_s: float) -> tuple[Any, Any] | None:
+    """The (fsdp, tp) process groups of a tensor-parallel trainer laid out as rows of `tp` consecutive
+    ranks; `new_group` is collective over the whole job, so every rank calls this, in the same order.
+    This rank's (fsdp group, tp group), or None when it is not a trainer rank."""
+    grid = [list(ranks[i:i + tp]) for i in range(0, len(ranks), tp)]
+    timeout = timedelta(seconds=timeout_s)
+    fsdp_groups = [dist.new_group([row[j] for row in grid], timeout=timeout) for j in range(tp)]
+    tp_groups = [dist.new_group(row, timeout=timeout) for row in grid]
+    if rank not in ranks:
+        return None
+    i = ranks.index(rank)
+    return fsdp_groups[i % tp], tp_groups[i // tp]
+
+
+def parallelize_llama(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Shard a Llama or critic in place over a 1-D tensor-parallel mesh, as `llama_param_layout` lays it
+    out (q/k/v/gate/up colwise, o/down rowwise, the embedding and an untied head by vocabulary rows;
+    norms and a critic's value head replicated), and return the adapter whose forward gives the role's
+    per-token outputs as plain tensors replicated over tp."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from graphrl.errors import RunError
+
+    # DTensor logs every multi-step redistribution of a 2-D parameter (gathers for a checkpoint, the
+    # gradient norm); they are expected here, one line per rank and tensor.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    tp, dims = tp_mesh.size(), model.dims
+    if dims.num_heads % tp or dims.num_kv_heads % tp:
+        raise RunError(f"tp={tp} must divide the {dims.num_heads} heads and the {dims.num_kv_heads} KV heads of a "
+                       "trained or frozen model", fix="pin a smaller tp for the trainer")
+    plan: dict[str, Any] = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.num_heads //= tp  # the reshapes see this rank's heads only
+        layer.self_attn.num_kv_heads //= tp
+        pre = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[pre + name] = ColwiseParallel()
+        plan[pre + "self_attn.o_proj"] = RowwiseParallel()
+        plan[pre + "mlp.down_proj"] = RowwiseParallel()
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, plan)
+    return CriticForward(model) if isinstance(model, LlamaCritic) else TensorParallelPolicyForward(model)
+
+
+def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[int, ...], tp: int,
+                                 groups: tuple[Any, Any], device: torch.device) -> tuple[nn.Module, str]:
+    """The trainable module of a tp > 1 trainer (fsdp x tp; see the module docstring) and its wrapping name.
+
+    Data-parallel ranks always go through `fully_shard` on the fsdp dimension (DDP does not take 2-D
+    DTensors): ZeRO-3 for `sharding: fsdp`; for none / zero1 / zero2 the gathered weights stay through
+    backward (`reshard_after_forward=False`), so only the resting weights are sharded. The gradients,
+    averaged over the data-parallel ranks, are the same in every case."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    data_parallel = len(ranks) // tp
+    grid = torch.tensor(ranks).view(data_parallel, tp)
+    mesh = DeviceMesh.from_group(list(groups), device.type, mesh=grid, mesh_dim_names=("fsdp", "tp"))
+    adapter = parallelize_llama(model, mesh["tp"])
+    if data_parallel == 1:
+        return adapter, "tp"
+    reshard = sharding == "fsdp"
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["fsdp"], reshard_after_forward=reshard)
+    fully_shard(adapter, mesh=mesh["fsdp"], reshard_after_forward=reshard)
+    return adapter, "fsdp2+tp"
+
+
+def tensor_parallel_infer(model: nn.Module, tp_group: Any, ranks: tuple[int, ...], device: torch.device) -> nn.Module:
+    """A frozen model of the trainer's mesh (reference, reward model) sharded over the trainer's tp
+    row `ranks` (`tp_group`); the adapter gives its replicated per-token outputs."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(tp_group, device.type, mesh=torch.tensor(ranks), mesh_dim_names=("tp",))
+    return parallelize_llama(model, mesh)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` that also takes gradients on several device meshes (an fsdp x tp
+    trainer: tp-sharded weights live on the 2-D mesh, norms on its fsdp dimension only): the norm is
+    computed per mesh, made whole, and combined. The total 2-norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: dict[Any, list[Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    if len(by_mesh) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    squares = 0.0
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    total = squares ** 0.5
+    coef = min(max_norm / (total + 1e-6), 1.0)
+    for group in by_mesh.values():
+        torch._foreach_mul_(group, coef)
+    return total
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -13,7 +13,8 @@ rank's messages of a round go out in one `batch_isend_irecv`; in a round no rank
 more than one bucket.
 
 `execute_weight_sync` runs the stored plan (what `compiler/schedule.py:_ddma` writes) on shards;
-`run_weight_sync` is the executor's entry point for whole modules.
+`run_weight_sync` is the executor's entry point for whole modules: full, FSDP2-sharded (DTensor) or
+tensor-parallel generators (`tensor_parallel.py`), whose shards are the plan's regions.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from graphrl.errors import RunError
+from graphrl.executors.tensor_parallel import TensorParallelLlama
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dim, in full-tensor coordinates
 ShardMap = Mapping[str, tuple[Tensor, Region]]  # param name -> (local tensor, region of the full tensor it holds)
@@ -89,27 +93,41 @@ def execute_weight_sync(
 
 
 def run_weight_sync(data: dict[str, Any], rank: int, src: nn.Module | None, dst: nn.Module | None, rt: Any) -> None:
-    """`execute_weight_sync` for whole modules (every rank holds full parameters; `rt` gives
-    `comm_device` and `device`). The trainer and generator copies of a model share its dtype, so a
-    pure receiver takes its own as the wire dtype."""
-    src_params, dst_params = _params(src), _params(dst)
-    held = next(iter(src_params.values()), None)
-    held = next(iter(dst_params.values()), None) if held is None else held
-    execute_weight_sync(data, rank, _whole(src_params), _whole(dst_params), rt.comm_device, rt.device,
-                        wire_dtype=held.dtype if held is not None else torch.float32)
+    """`execute_weight_sync` for whole modules, each side's shards as `module_shards` finds them (`rt`
+    gives `comm_device` and `device`). The trainer and generator copies of a model share its dtype,
+    so a pure receiver takes its own as the wire dtype. A tensor-parallel generator whose KV heads are
+    replicated then completes them over its group."""
+    src_shards, dst_shards = module_shards(src), module_shards(dst)
+    held = next(iter(src_shards.values()), None) or next(iter(dst_shards.values()), None)
+    execute_weight_sync(data, rank, src_shards, dst_shards, rt.comm_device, rt.device,
+                        wire_dtype=held[0].dtype if held is not None else torch.float32)
+    if isinstance(dst, TensorParallelLlama):
+        dst.complete_kv_heads()
 
 
-def _params(module: nn.Module | None) -> dict[str, Tensor]:
+def module_shards(module: nn.Module | None) -> dict[str, tuple[Tensor, Region]]:
+    """What a module holds of each full parameter: a tensor-parallel generator's shards (the plan's
+    regions), a DTensor parameter's local piece (FSDP2) with the region DTensor says it covers, or a
+    plain parameter whole."""
     if module is None:
         return {}
+    if isinstance(module, TensorParallelLlama):
+        return module.shards()
+    out: dict[str, tuple[Tensor, Region]] = {}
+    for name, p in _params(module).items():
+        if isinstance(p, DTensor):
+            local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            out[name] = (p.to_local(), tuple((o, o + n) for o, n in zip(offset, local_shape)))
+        else:
+            out[name] = (p, tuple((0, n) for n in p.shape))
+    return out
+
+
+def _params(module: nn.Module) -> dict[str, Tensor]:
     params = dict(module.named_parameters())
     if "lm_head.weight" not in params and "model.embed_tokens.weight" in params:
         params["lm_head.weight"] = params["model.embed_tokens.weight"]  # tied embeddings
     return params
-
-
-def _whole(params: dict[str, Tensor]) -> dict[str, tuple[Tensor, Region]]:
-    return {name: (p, tuple((0, n) for n in p.shape)) for name, p in params.items()}
 
 
 def _checked(shards: ShardMap, side: str, rank: int) -> dict[str, tuple[Tensor, Region]]:

@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from graphrl import __version__
 from graphrl.errors import GraphRLError, InternalError, JobError, Location, format_path
 from graphrl.ir import JobGraph, build_graph
-from graphrl.loader import LoadedJob, SourceMap, job_cluster, load_job
+from graphrl.loader import LoadedJob, Override, SourceMap, apply_overrides, job_cluster, load_job, parse_override
+from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import JobSpec
 
 EXIT_USER_ERROR = 2
@@ -85,14 +86,27 @@ def load_any(path: str) -> LoadedJob:
     return with_files_resolved(LoadedJob(spec, SourceMap(str(p)), p))
 
 
-def checked_graph(job: LoadedJob) -> JobGraph:
-    """Build and typecheck the graph; errors are located in the job file."""
+def set_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--set KEY=VALUE` (repeatable): change any job field by its dotted path, validated like the file."""
+    return click.option(
+        "--set", "sets", multiple=True, metavar="KEY=VALUE",
+        help="Override a job field by dotted path, e.g. --set schedule.checkpoint_every=20 "
+             "--set placement.roles.policy/generate.tp=2 (repeatable; VALUE is read as YAML).")(fn)
+
+
+def load_with_sets(path: str, sets: tuple[str, ...] = ()) -> LoadedJob:
+    """A job (YAML or Python) with the `--set` overrides applied in the order given."""
+    return apply_overrides(load_any(path), [parse_override(text) for text in sets])
+
+
+def checked_graph(job: LoadedJob, cluster: ClusterSpec | None = None) -> JobGraph:
+    """Build and typecheck the graph (pins against `cluster` when given); errors are located in the job file."""
     from graphrl.compiler.passes import CompileContext, run_passes
     from graphrl.compiler.pipeline import FRONT
 
     try:
         graph = build_graph(job.spec)
-        return run_passes(graph, CompileContext(job.spec), FRONT)
+        return run_passes(graph, CompileContext(job.spec, cluster), FRONT)
     except GraphRLError as exc:
         if exc.path and exc.location is None:
             exc.location = job.source.locate(exc.path)
@@ -113,12 +127,13 @@ def main(debug: bool) -> None:
 
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=True, path_type=str))
-def validate(job: str) -> None:
+@set_option
+def validate(job: str, sets: tuple[str, ...]) -> None:
     """Check JOB (a YAML file, or a Python file with build_job()) and print a one-line summary."""
-    loaded = load_any(job)
-    graph = checked_graph(loaded)
-    if loaded.spec.cluster is not None:  # the job's default cluster must resolve too
-        job_cluster(loaded, None)
+    loaded = load_with_sets(job, sets)
+    # The job's default cluster must resolve too, and its pins must fit that cluster's devices.
+    cluster = job_cluster(loaded, None) if loaded.spec.cluster is not None else None
+    graph = checked_graph(loaded, cluster)
     warn(graph)
     n_nodes = sum(1 for _ in graph.nodes())
     click.echo(
@@ -142,22 +157,37 @@ def schema(output: Path | None) -> None:
 @main.command()
 @click.argument("job", type=click.Path(path_type=str))
 @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True)
-def graph(job: str, fmt: str) -> None:
+@set_option
+def graph(job: str, fmt: str, sets: tuple[str, ...]) -> None:
     """Print the typed job graph of JOB."""
     from graphrl.render import dumps, graph_dot, graph_json, graph_text
 
-    g = checked_graph(load_any(job))
+    g = checked_graph(load_with_sets(job, sets))
     warn(g)
     click.echo({"text": graph_text, "dot": graph_dot, "json": lambda g: dumps(graph_json(g))}[fmt](g))
 
 
 
-def _compile(job: str, cluster: str | None, **options):  # noqa: ANN201
-    from graphrl.compiler.compile import compile_job
-    from graphrl.loader import job_cluster
+def compile_loaded_graph(loaded: LoadedJob, cluster: str | None, **options):  # noqa: ANN201
+    """(compiled graph, its plan) of a loaded job, with a progress line on a terminal; the compiler's
+    warnings (pins a layout ignores, ...) go to stderr."""
+    from graphrl.compiler.compile import compile_graph, plan_of
+    from graphrl.progress import progress
 
-    loaded = load_any(job)
-    return compile_job(loaded, job_cluster(loaded, cluster), **options)
+    resolved = job_cluster(loaded, cluster)
+    with progress(f"compiling {loaded.spec.name}") as report:
+        graph = compile_graph(loaded, resolved, progress=report, **options)
+    warn(graph)
+    return graph, plan_of(graph, resolved)
+
+
+def compile_loaded(loaded: LoadedJob, cluster: str | None, **options):  # noqa: ANN201
+    """The plan of a loaded job (see `compile_loaded_graph`)."""
+    return compile_loaded_graph(loaded, cluster, **options)[1]
+
+
+def _compile(job: str, cluster: str | None, sets: tuple[str, ...] = (), **options):  # noqa: ANN201
+    return compile_loaded(load_with_sets(job, sets), cluster, **options)
 
 
 @main.command(name="compile")
@@ -171,13 +201,14 @@ def _compile(job: str, cluster: str | None, **options):  # noqa: ANN201
 @click.option("--steps", type=int, help="Steps to unroll into the programs (default: the job's).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan (msgpack) to this file; with --format html/json, write the preview here instead.")
+@set_option
 def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, fmt: str, exhaustive: bool,
-                steps: int | None, output: Path | None) -> None:
+                steps: int | None, output: Path | None, sets: tuple[str, ...]) -> None:
     """Compile JOB for a cluster: place every role, insert transfers, and preview the plan."""
     from graphrl.compiler.preview import render_html, render_text
     from graphrl.plan_io import save_plan
 
-    plan = _compile(job, cluster, exhaustive=exhaustive, steps=steps)
+    plan = _compile(job, cluster, sets, exhaustive=exhaustive, steps=steps)
     if output is not None and fmt == "text":
         save_plan(plan, output)
         click.echo(f"wrote {output} ({plan.chosen.label}, {plan.chosen.estimate.step_time_s:.4g} s/step predicted)",
@@ -306,43 +337,52 @@ def inspect(plan: str, rank: tuple[int, ...], all_ranks: bool, step: int | None,
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write a Chrome trace JSON (Perfetto).")
 @click.option("--gantt/--no-gantt", default=True, show_default=True, help="Print a text Gantt chart.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | None, gantt: bool, fmt: str) -> None:
+@set_option
+def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | None, gantt: bool, fmt: str,
+             sets: tuple[str, ...]) -> None:
     """Simulate TARGET: a plan file exactly as it is, or a job compiled once (then also its sync and async
     schedules and the baseline layout). Seconds per step, busy fractions, timeline."""
     from graphrl.compiler.simreport import simulate_report
+    from graphrl.progress import progress
 
     if _is_plan_file(target):
+        if sets:
+            click.echo("warning: --set changes a job; it is ignored for a compiled plan file", err=True)
         plan, graph = _load_plan_or_compile(target, cluster, steps=steps), None
     else:
-        from graphrl.compiler.compile import compile_graph, plan_of
-        from graphrl.loader import job_cluster
-
-        loaded = load_any(target)
-        resolved = job_cluster(loaded, cluster)
-        graph = compile_graph(loaded, resolved, steps=steps)
-        plan = plan_of(graph, resolved)
-    report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text")
+        graph, plan = compile_loaded_graph(load_with_sets(target, sets), cluster, steps=steps)
+    with progress(f"simulating {plan.job.name} on {plan.programs.num_ranks if plan.programs else 0} ranks") as stage:
+        report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text", progress=stage)
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
 
 
 def _override(loaded: LoadedJob, *, steps: int | None = None, seed: int | None = None, schedule: str | None = None,
               strategy: str | None = None) -> LoadedJob:
-    """Command-line overrides: the same job file runs with another schedule or layout family."""
-    spec = loaded.spec
-    updates: dict[str, Any] = {}
-    if steps is not None or schedule is not None:
-        sched = spec.schedule.model_copy(update={k: v for k, v in (("steps", steps), ("mode", schedule)) if v is not None})
-        updates["schedule"] = sched
-    if seed is not None:
-        updates["run"] = spec.run.model_copy(update={"seed": seed})
-    if strategy is not None:
-        roles = spec.placement.roles if strategy != "colocated" else {
-            k: v.model_copy(update={"devices": None}) for k, v in spec.placement.roles.items()}
-        updates["placement"] = spec.placement.model_copy(update={"strategy": strategy, "roles": roles})
-    if not updates:
-        return loaded
-    new = JobSpec.model_validate({**spec.model_dump(), **{k: v.model_dump() for k, v in updates.items()}})
-    return LoadedJob(new, loaded.source, loaded.path)
+    """The run options that are shorthands for job fields (`--steps 5` is `--set schedule.steps=5`)."""
+    flags = [(("schedule", "steps"), steps, f"--steps {steps}"), (("run", "seed"), seed, f"--seed {seed}"),
+             (("schedule", "mode"), schedule, f"--schedule {schedule}"),
+             (("placement", "strategy"), strategy, f"--strategy {strategy}")]
+    overrides = [Override(path, value, origin) for path, value, origin in flags if value is not None]
+    if strategy == "colocated":  # every role shares every device: device ranges no longer apply
+        overrides += [Override(("placement", "roles", role, "devices"), None, "--strategy colocated")
+                      for role, hint in loaded.spec.placement.roles.items() if hint.devices is not None]
+    return apply_overrides(loaded, overrides)
+
+
+def refuse_unrunnable(plan, loaded: LoadedJob) -> None:  # noqa: ANN001
+    """Stop before starting ranks when the plan holds a layout the executors cannot run: pipeline
+    parallelism, which the search never chooses but a pin can ask for (compile and simulate still show it)."""
+    from graphrl.errors import RunError
+
+    staged = {p.role: p.pp for p in plan.chosen.placements if p.pp > 1}
+    if not staged:
+        return
+    pins = [key for key, hint in loaded.spec.placement.roles.items() if key in staged and hint.pp == staged[key]]
+    assert pins, f"the search chose pipeline parallelism for {sorted(staged)} without a pin"
+    path = ("placement", "roles", pins[0], "pp")
+    raise RunError(f"pp {staged[pins[0]]}: pipeline-parallel execution is not supported yet; this plan can be "
+                   "compiled and simulated, not run", path=path, location=loaded.source.locate(path),
+                   fix=f"drop the pin (--set {format_path(path)}=) to let the search choose a layout that runs")
 
 
 @main.command()
@@ -357,17 +397,17 @@ def _override(loaded: LoadedJob, *, steps: int | None = None, seed: int | None =
 @click.option("--profile", type=click.Path(file_okay=False, path_type=Path), help="Write torch.profiler traces here.")
 @click.option("--profile-memory", is_flag=True, help="With --profile: also record memory.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@set_option
 def run(job: str, cluster: str | None, steps: int | None, seed: int | None, schedule: str | None,
         strategy: str | None, out: Path | None, resume: bool, profile: Path | None, profile_memory: bool,
-        quiet: bool) -> None:
+        quiet: bool, sets: tuple[str, ...]) -> None:
     """Compile JOB and run it: one process per rank on this machine."""
-    from graphrl.compiler.compile import compile_job
     from graphrl.executors.launcher import launch_local
     from graphrl.executors.outputs import latest_checkpoint
-    from graphrl.loader import job_cluster
 
-    loaded = _override(load_any(job), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
-    plan = compile_job(loaded, job_cluster(loaded, cluster))
+    loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
+    plan = compile_loaded(loaded, cluster)
+    refuse_unrunnable(plan, loaded)
     out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
     start_step, resume_from = 0, None
     if resume:
@@ -429,14 +469,15 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("launch"),
               show_default=True, help="Folder for the plan and the script.")
 @click.option("--port", type=int, default=29512, show_default=True, help="Rendezvous port.")
-def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: Path, port: int) -> None:
+@set_option
+def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: Path, port: int,
+           sets: tuple[str, ...]) -> None:
     """Compile JOB and write a torchrun or SLURM script that runs `python -m graphrl.executors PLAN`."""
-    from graphrl.compiler.compile import compile_job
     from graphrl.executors.scripts import write_launch
-    from graphrl.loader import job_cluster
 
-    loaded = _override(load_any(job), steps=steps)
-    plan = compile_job(loaded, job_cluster(loaded, cluster))
+    loaded = _override(load_with_sets(job, sets), steps=steps)
+    plan = compile_loaded(loaded, cluster)
+    refuse_unrunnable(plan, loaded)
     plan_path, script = write_launch(plan, emit, output, port=port)
     click.echo(f"wrote {plan_path} and {script}")
 

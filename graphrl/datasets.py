@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Protocol
 
 from graphrl.errors import GraphRLError
 from graphrl.schemas.job import DatasetNode, GenerateNode, JobSpec, PromptFields
 from graphrl.tasks import EOS, PAD, TASKS, resolve_callable
+
+if TYPE_CHECKING:  # torch loads only where prompts are drawn, never on the compile path
+    from torch import Tensor
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -77,6 +77,8 @@ def read_examples(path: str | Path, fields: PromptFields) -> list[Example]:
 
 def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> list[int]:
     """Row indices of a step: positions [step*B, (step+1)*B) of epochs each shuffled from (seed, epoch)."""
+    import torch
+
     out, perms = [], {}
     for position in range(step * batch_size, (step + 1) * batch_size):
         epoch, offset = divmod(position, num_rows)
@@ -109,6 +111,8 @@ class TaskPrompts:
         self.stop_ids, self.pad_id = [EOS], PAD
 
     def prompts(self, step: int) -> tuple[Tensor, Tensor]:
+        import torch
+
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return self.task.sample(gen, self.spec.batch_size, self.spec.prompt_len)
 
@@ -139,6 +143,8 @@ class FilePrompts:
         return step_indices(len(self.rows), self.spec.batch_size, step, self.seed)
 
     def prompts(self, step: int) -> tuple[Tensor, Tensor]:
+        import torch
+
         index = torch.tensor(self._indices(step))
         return self.ids[index], self.mask[index]
 

@@ -9,11 +9,13 @@ Duplicate keys are refused (plain YAML silently keeps the last one).
 from __future__ import annotations
 
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -27,18 +29,35 @@ Path_ = tuple[str | int, ...]
 
 @dataclass
 class SourceMap:
-    """Field path -> position in the file it came from."""
+    """Field path -> position in the file it came from, or the command-line option that set it."""
 
     file: str | None
     positions: dict[Path_, tuple[int, int]] = field(default_factory=dict)
+    overrides: dict[Path_, str] = field(default_factory=dict)  # path -> the option as written, e.g. '--set a.b=1'
 
     def locate(self, path: Path_) -> Location:
-        """The position of `path`, or of its closest ancestor that has one."""
+        """Where `path` (or its closest ancestor that has a place) was written: an option, or the file.
+        A key that only an option created (`--set placement.roles.x.tp=2` made `placement.roles.x`) is
+        located at that option."""
+        if tuple(path) not in self.positions:
+            below = [origin for p, origin in self.overrides.items() if tuple(p[:len(path)]) == tuple(path)]
+            if below:
+                return Location(below[-1])
         for cut in range(len(path), -1, -1):
-            pos = self.positions.get(tuple(path[:cut]))
+            here = tuple(path[:cut])
+            if here in self.overrides:
+                return Location(self.overrides[here])
+            pos = self.positions.get(here)
             if pos is not None:
                 return Location(self.file, pos[0], pos[1])
         return Location(self.file)
+
+    def overridden(self, path: Path_, origin: str) -> "SourceMap":
+        """This map with `path` (and everything below it) now set by the option `origin`."""
+        cut = len(path)
+        keep = lambda p: tuple(p[:cut]) != path  # noqa: E731
+        return SourceMap(self.file, {p: v for p, v in self.positions.items() if keep(p)},
+                         {**{p: v for p, v in self.overrides.items() if keep(p)}, path: origin})
 
 
 @dataclass(frozen=True)
@@ -80,9 +99,17 @@ def _read_text(path: Path, error: type[GraphRLError]) -> str:
 MAX_VALUES = 1_000_000
 
 
+# Plain (unquoted) numbers that YAML 1.2 reads as floats but PyYAML's YAML 1.1 rules as strings: an
+# exponent without a dot or without a sign (`1e-5`, `2.0e12`). The strict schemas would refuse them
+# as strings; a quoted "1e-5" stays a string.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
+
+
 def _scalar(node: yaml.Node, path: Path_, source: SourceMap, error: type[GraphRLError]) -> Any:
     """A scalar resolved with the safe loader's rules; a tag it cannot construct is a located error."""
     if node.tag == "tag:yaml.org,2002:str":
+        if isinstance(node, yaml.ScalarNode) and node.style is None and _EXPONENT_FLOAT.fullmatch(node.value):
+            return float(node.value)
         return node.value
     try:  # construct the node itself: a round trip through text loses empty values (`key:` is null)
         return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
@@ -243,19 +270,53 @@ def _describe(err: dict[str, Any], path: Path_, root: type[BaseModel], data: Any
         message = message[len("Value error, "):]
     if kind == "literal_error":
         return message.replace("Input should be", "must be"), None
+    if kind in _WANTED and "input" in err:
+        return _wrong_scalar(_WANTED[kind], err["input"])
+    if kind == "string_type" and isinstance(err.get("input"), (int, float)) and not isinstance(err["input"], bool):
+        return f"must be a string (got {err['input']!r})", f"quote it: \"{err['input']}\""
+    if kind == "finite_number":
+        return (f"must be a finite number (got {err.get('input')!r})",
+                "infinity and nan are no value a run can use; write a finite number")
     if "input" in err and not isinstance(err["input"], (dict, list)):
         message = f"{message} (got {err['input']!r})"
     return message, None
 
 
+_WANTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false"}
+
+
+def _wrong_scalar(wanted: str, value: Any) -> tuple[str, str | None]:
+    """The message for a value of the wrong scalar type: say what was given, and the likely fix."""
+    if isinstance(value, bool):
+        return f"must be {wanted}, not a boolean (got {str(value).lower()})", f"write {wanted}"
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return f"must be {wanted}, not a string (got {value!r})", None
+        if not math.isfinite(number):
+            return (f"must be a finite number, not the string {value!r}",
+                    "infinity and nan are no value a run can use; write a finite number")
+        return f"must be {wanted}, not a string (got {value!r})", "write the number without quotes"
+    if isinstance(value, float) and wanted == "an integer":
+        return f"must be an integer (got {value!r})", f"write {int(value)}" if value.is_integer() else None
+    if isinstance(value, (dict, list)):
+        return f"must be {wanted}, not a {'mapping' if isinstance(value, dict) else 'list'}", None
+    return f"must be {wanted} (got {value!r})", None
+
+
 def validation_error(exc: ValidationError, root: type[BaseModel], data: Any, source: SourceMap,
                      error: type[GraphRLError]) -> GraphRLError:
-    errors = exc.errors()
-    first = errors[0]
-    path = _data_path(tuple(first["loc"]), data)
+    # One error per field: the members of a union (`options` values) each report the same value, and
+    # "not finite" says more about an inf than "not an integer" does.
+    by_path: dict[Path_, list[dict[str, Any]]] = {}
+    for err in exc.errors():
+        by_path.setdefault(_data_path(tuple(err["loc"]), data), []).append(err)
+    path, errors = next(iter(by_path.items()))
+    first = next((e for e in errors if e["type"] == "finite_number"), errors[0])
     message, fix = _describe(first, path, root, data)
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    if len(by_path) > 1:
+        message += f" (and {len(by_path) - 1} more error{'s' if len(by_path) > 2 else ''})"
     return error(message, path=path, fix=fix, location=source.locate(path))
 
 
@@ -288,6 +349,115 @@ def load_job(path: str | Path) -> LoadedJob:
     """Read and validate a job file. Raises JobError with file, line, column and field path."""
     path = Path(path)
     return load_job_text(_read_text(path, JobError), str(path))
+
+
+# --- overrides: `--set KEY=VALUE` ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Override:
+    """One command-line change to a job: a field path, its new value, and the option as the user wrote it."""
+
+    path: Path_
+    value: Any
+    origin: str
+
+
+# Mappings whose keys name things the job declares: an override changes them, it never adds one.
+_DECLARED_NAMES = {("models",): "model", ("nodes",): "node"}
+
+
+def parse_override(text: str) -> Override:
+    """`KEY=VALUE` from `--set`: KEY is a dotted field path (`placement.roles.policy/generate.tp`), VALUE
+    is read as YAML (`20`, `1e-4`, `true`, `null`, `0-3`, `[a, b]`); an empty VALUE is null."""
+    origin = f"--set {text}"
+    key, sep, raw = text.partition("=")
+    parts = tuple(part.strip() for part in key.split("."))
+    if not sep or not all(parts):
+        raise JobError(f"{text!r} is not KEY=VALUE with a dotted KEY", location=Location(origin),
+                       fix="e.g. --set schedule.checkpoint_every=20 --set placement.roles.policy/generate.tp=2")
+    value = parse_yaml(raw, origin, JobError)[0] if raw.strip() else None
+    return Override(parts, value, origin)
+
+
+def _schema_types(annotation: Any, data: Any) -> list[Any]:
+    """The types `annotation` allows for `data`; a tagged union (the nodes) narrowed by the data's `op`."""
+    kinds = _unwrap(annotation)
+    models = [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]
+    if len(models) > 1 and isinstance(data, dict):
+        tagged = [m for m in models if "op" in m.model_fields and m.model_fields["op"].default == data.get("op")]
+        if tagged:
+            return tagged
+    return kinds
+
+
+def _describe_type(kinds: list[Any]) -> str:
+    names = [getattr(t, "__name__", str(t)) for t in kinds if t is not type(None)]
+    return " or ".join(names) or "null"
+
+
+def _assign(data: dict[str, Any], o: Override) -> None:
+    """Set `o.path` in the plain job data `data`, walking the schema beside it so that a wrong path is
+    refused at the first key that does not exist, with the keys that do."""
+    where = Location(o.origin)
+    annotation: Any = JobSpec
+    container: Any = data
+    for depth, part in enumerate(o.path):
+        here, last = o.path[:depth], depth == len(o.path) - 1
+        kinds = _schema_types(annotation, container)
+        models = [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]
+        mappings = [t for t in kinds if typing.get_origin(t) is dict]
+        sequences = [t for t in kinds if typing.get_origin(t) in (list, tuple)]
+        key: str | int = part
+        if models and isinstance(container, dict):
+            model = models[0]
+            if part not in model.model_fields:
+                allowed = list(model.model_fields)
+                close = difflib.get_close_matches(part, allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise JobError(f"unknown key {part!r}", path=here + (part,), location=where,
+                               fix=f"{hint}keys {'under ' + format_path(here) if here else 'of a job'}: {', '.join(allowed)}")
+            annotation = model.model_fields[part].annotation
+        elif mappings and isinstance(container, dict):
+            noun = _DECLARED_NAMES.get(tuple(here))
+            if noun is not None and part not in container:
+                raise JobError(f"the job has no {noun} {part!r}", path=here + (part,), location=where,
+                               fix=f"{noun}s of this job: {', '.join(container)}")
+            annotation = typing.get_args(mappings[0])[-1]
+        elif sequences and isinstance(container, list):
+            if not part.isdigit() or int(part) >= len(container):
+                raise JobError(f"{part!r} is not an index of this list of {len(container)}", path=here + (part,),
+                               location=where, fix=f"use 0-{len(container) - 1}, or set the whole list: "
+                                                   f"--set {format_path(here)}=[...]")
+            key = int(part)
+            args = typing.get_args(sequences[0])
+            annotation = args[min(key, len(args) - 1)] if typing.get_origin(sequences[0]) is tuple else args[0]
+        else:
+            raise JobError(f"this is a value ({_describe_type(kinds)}), not a section with keys",
+                           path=here, location=where, fix=f"set it directly: --set {format_path(here)}=VALUE")
+        if last:
+            container[key] = o.value
+            return
+        child = container[key] if isinstance(container, list) else container.get(key)
+        if child is None:  # an unset section (`placement.roles.policy`, `models.policy.dims`) starts empty
+            child = container[key] = {}
+        container = child
+
+
+def apply_overrides(job: LoadedJob, overrides: Sequence[Override]) -> LoadedJob:
+    """The job with each override applied in order and validated exactly as a job file is; errors name the
+    field path and the option that set it."""
+    if not overrides:
+        return job
+    data = job.spec.model_dump(mode="json")  # plain data, as a YAML file would give
+    source = job.source
+    for o in overrides:
+        _assign(data, o)
+        source = source.overridden(o.path, o.origin)
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, JobSpec, data, source, JobError) from None
+    return LoadedJob(spec, source, job.path)
 
 
 def load_cluster(ref: str | Path, base_dir: Path | None = None) -> ClusterSpec:
@@ -329,4 +499,5 @@ def job_cluster(job: LoadedJob, override: str | None) -> ClusterSpec:
         raise
 
 
-__all__ = ["LoadedJob", "SourceMap", "format_path", "job_cluster", "load_cluster", "load_job", "load_job_text"]
+__all__ = ["LoadedJob", "Override", "SourceMap", "apply_overrides", "format_path", "job_cluster", "load_cluster",
+           "load_job", "load_job_text", "parse_override"]

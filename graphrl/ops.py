@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from graphrl.registry import Registry
+from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.data import DataSchema
 from graphrl.schemas.job import (
     AdvantageNode,
@@ -97,13 +98,13 @@ def _reward_ports(node: RewardNode) -> Ports:
 
 def _advantage_ports(node: AdvantageNode) -> Ports:
     inputs = {"rewards": InPort(REWARDS), "rollouts": InPort(ROLLOUTS, doc="masks and group structure")}
-    if node.estimator == "gae":
-        inputs["values"] = InPort(VALUES, doc="critic values, needed by GAE")
+    if ESTIMATORS[node.estimator].needs_values:
+        inputs["values"] = InPort(VALUES, doc=f"critic values, needed by {node.estimator}")
     return Ports(inputs=inputs, outputs={"advantages": OutPort(ADVANTAGES)})
 
 
 def _train_ports(node: TrainNode) -> Ports:
-    if node.loss == "critic":
+    if LOSSES[node.loss].trains == "critic":
         inputs = {
             "rollouts": InPort(ROLLOUTS),
             "advantages": InPort(ADVANTAGES, doc="the returns are the critic's targets"),

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from graphrl.registry import Registry
+
+if TYPE_CHECKING:  # torch is imported where a task or reward runs: checking a job's names must not pay for it
+    import torch
 
 BOS, SEP, EOS, PAD = 10, 11, 12, 13
 VOCAB_SIZE = 16
@@ -27,7 +28,7 @@ class Task(Protocol):
         ...
 
 
-RewardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+RewardFn = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 """(prompt_ids[N,P], prompt_mask[N,P], response_ids[N,R], response_mask[N,R]) -> rewards[N] in [0, 1]."""
 
 TASKS: Registry[Callable[..., Task]] = Registry("task")
@@ -52,6 +53,8 @@ class DigitTask:
     num_digits: int = 4
 
     def sample(self, gen: torch.Generator, batch_size: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         need = self.num_digits + 2
         if prompt_len < need:
             raise ValueError(f"prompt_len {prompt_len} is shorter than the {need} tokens a prompt needs")
@@ -81,6 +84,8 @@ def _prompt_digits(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch
 
 def _digit_reward(transform: str) -> RewardFn:
     def reward(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+        import torch
+
         target = _transform(transform, _prompt_digits(prompt_ids, prompt_mask))
         k = target.shape[1]
         if k == 0:
@@ -124,6 +129,8 @@ class SyntheticTokens:
     vocab_size: int = VOCAB_SIZE
 
     def sample(self, gen: torch.Generator, batch_size: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         ids = torch.randint(0, self.vocab_size, (batch_size, prompt_len), generator=gen)
         return ids, torch.ones((batch_size, prompt_len), dtype=torch.bool)
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from graphrl.schemas.base import Frozen
+from graphrl.schemas.base import Frozen, Integer, Real
 from graphrl.schemas.hardware import GiB, HARDWARE_PRESETS, HardwareSpec
 
 
@@ -17,12 +17,12 @@ class ClusterSpec(Frozen):
     """A homogeneous set of nodes with the same number of identical devices each."""
 
     name: str = Field(description="Name shown in plans.")
-    num_nodes: int = Field(gt=0, description="Number of hosts.")
-    devices_per_node: int = Field(gt=0, description="Devices (GPUs, or CPU ranks) per host.")
+    num_nodes: Integer = Field(gt=0, description="Number of hosts.")
+    devices_per_node: Integer = Field(gt=0, description="Devices (GPUs, or CPU ranks) per host.")
     hardware: str | HardwareSpec = Field(
         description=f"A hardware preset ({', '.join(HARDWARE_PRESETS)}) or an explicit description."
     )
-    host_memory_bytes: float = Field(
+    host_memory_bytes: Real = Field(
         default=2048 * GiB, gt=0, description="Host (CPU) memory per node, bytes; offloaded state lives here."
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from graphrl.schemas.base import Frozen
+from graphrl.schemas.base import Frozen, Integer, Real
 
 GB = 1e9
 GiB = 2**30
@@ -29,9 +29,9 @@ class CollectiveFit(Frozen):
     """
 
     kind: MeasuredCollective = Field(description="Which collective was measured.")
-    group_size: int = Field(ge=2, description="Number of ranks in the measured group.")
-    bus_bandwidth: float = Field(gt=0, description="Ring-model link bandwidth that fits the measurement, bytes/s.")
-    latency_s: float = Field(ge=0, description="Ring-model latency per step that fits the measurement, seconds.")
+    group_size: Integer = Field(ge=2, description="Number of ranks in the measured group.")
+    bus_bandwidth: Real = Field(gt=0, description="Ring-model link bandwidth that fits the measurement, bytes/s.")
+    latency_s: Real = Field(ge=0, description="Ring-model latency per step that fits the measurement, seconds.")
 
 
 class HardwareSpec(Frozen):
@@ -39,55 +39,55 @@ class HardwareSpec(Frozen):
 
     name: str = Field(description="Name shown in plans, e.g. 'h100-sxm-80gb'.")
     kind: Literal["gpu", "cpu"] = Field(default="gpu", description="Device family; selects NCCL or gloo.")
-    peak_bf16_flops: float = Field(gt=0, description="Dense bf16 matmul peak, FLOP/s per device.")
-    peak_fp8_flops: float = Field(
+    peak_bf16_flops: Real = Field(gt=0, description="Dense bf16 matmul peak, FLOP/s per device.")
+    peak_fp8_flops: Real = Field(
         default=0.0, ge=0, description="Dense fp8 matmul peak, FLOP/s per device; 0 means fp8 is unsupported."
     )
-    memory_bytes: float = Field(gt=0, description="Device memory capacity in bytes.")
-    memory_bandwidth: float = Field(gt=0, description="Device memory bandwidth, bytes/s.")
-    intra_node_bandwidth: float = Field(
+    memory_bytes: Real = Field(gt=0, description="Device memory capacity in bytes.")
+    memory_bandwidth: Real = Field(gt=0, description="Device memory bandwidth, bytes/s.")
+    intra_node_bandwidth: Real = Field(
         gt=0, description="Link bandwidth per device to devices of the same node (NVLink), bytes/s, one direction."
     )
-    inter_node_bandwidth: float = Field(
+    inter_node_bandwidth: Real = Field(
         gt=0, description="Network bandwidth per device to other nodes (InfiniBand/RoCE), bytes/s, one direction."
     )
-    host_link_bandwidth: float = Field(
+    host_link_bandwidth: Real = Field(
         gt=0, description="Device <-> host memory bandwidth per device (PCIe), bytes/s, for offload."
     )
-    link_latency_s: float = Field(default=10e-6, ge=0, description="Fixed latency of one transfer, seconds.")
-    compute_efficiency: float = Field(
+    link_latency_s: Real = Field(default=10e-6, ge=0, description="Fixed latency of one transfer, seconds.")
+    compute_efficiency: Real = Field(
         default=0.5, gt=0, le=1, description="Achievable fraction of peak FLOP/s in training and prefill."
     )
-    memory_efficiency: float = Field(
+    memory_efficiency: Real = Field(
         default=0.7, gt=0, le=1, description="Achievable fraction of memory bandwidth (memory-bound decode)."
     )
-    link_efficiency: float = Field(
+    link_efficiency: Real = Field(
         default=0.8, gt=0, le=1, description="Achievable fraction of link bandwidth in collectives."
     )
-    op_overhead_s: float = Field(
+    op_overhead_s: Real = Field(
         default=0.0, ge=0, description="Fixed host overhead per executed instruction, seconds."
     )
-    layer_overhead_s: float = Field(
+    layer_overhead_s: Real = Field(
         default=0.0, ge=0,
         description="Fixed host time per transformer layer per forward pass (kernel launches, dispatch), "
                     "seconds; dominant for tiny models on CPU, negligible for large ones on GPUs.",
     )
-    pass_overhead_s: float = Field(
+    pass_overhead_s: Real = Field(
         default=0.0, ge=0,
         description="Fixed host time per forward pass outside the layers (embedding, final norm, output head, "
                     "sampling or log-softmax), seconds.",
     )
-    decode_token_overhead_s: float = Field(
+    decode_token_overhead_s: Real = Field(
         default=0.0, ge=0,
         description="Host time per generated token per transformer layer beyond its FLOPs (KV-cache append, "
                     "per-sequence bookkeeping), seconds; visible on CPUs, negligible on GPUs.",
     )
-    train_layer_overhead_s: float = Field(
+    train_layer_overhead_s: Real = Field(
         default=0.0, ge=0,
         description="Fixed host time per transformer layer per training micro-batch: its forward, backward and "
                     "optimizer update, seconds.",
     )
-    train_pass_overhead_s: float = Field(
+    train_pass_overhead_s: Real = Field(
         default=0.0, ge=0,
         description="Fixed host time per training micro-batch outside the layers (loss, gradient clipping, "
                     "optimizer bookkeeping), seconds.",
@@ -97,7 +97,7 @@ class HardwareSpec(Frozen):
         description="Measured collectives within one node (from `graphrl calibrate`); the cost model uses the "
                     "fit of the nearest measured group size and falls back to the link figures without one.",
     )
-    reserved_memory_fraction: float = Field(
+    reserved_memory_fraction: Real = Field(
         default=0.1, ge=0, lt=1, description="Device memory kept free for the allocator, workspace and fragmentation."
     )
 

@@ -12,7 +12,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from graphrl.schemas.base import Frozen
+from graphrl.schemas.algorithms import ESTIMATORS, LOSSES, check_name
+from graphrl.schemas.base import Boolean, Frozen, Integer, Real
 from graphrl.schemas.model import ModelSpec
 
 NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
@@ -63,11 +64,11 @@ class DatasetNode(_Node):
         default=None, description="JSON lines (.jsonl) or parquet file of prompts and answers, relative to the job file."
     )
     fields: PromptFields = Field(default_factory=PromptFields, description="Column mapping of `file`.")
-    chat_template: bool = Field(default=True, description="Render `file` prompts with the tokenizer's chat template.")
+    chat_template: Boolean = Field(default=True, description="Render `file` prompts with the tokenizer's chat template.")
     system_prompt: str | None = Field(default=None, description="System message for rows without their own.")
-    batch_size: int = Field(gt=0, description="Prompts per step (global).")
-    prompt_len: int = Field(gt=0, description="Longest prompt in tokens; prompts are left-padded to it.")
-    options: dict[str, int | float | str | bool] = Field(
+    batch_size: Integer = Field(gt=0, description="Prompts per step (global).")
+    prompt_len: Integer = Field(gt=0, description="Longest prompt in tokens; prompts are left-padded to it.")
+    options: dict[str, Integer | Real | str | Boolean] = Field(
         default_factory=dict, description="Task-specific options (e.g. num_digits)."
     )
 
@@ -83,10 +84,10 @@ class GenerateNode(_Node):
 
     op: Literal["generate"] = "generate"
     model: str = Field(description="Model whose weights generate.")
-    samples_per_prompt: int = Field(default=1, gt=0, description="Responses per prompt (the GRPO group size).")
-    max_new_tokens: int = Field(gt=0, description="Longest response in tokens.")
-    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    samples_per_prompt: Integer = Field(default=1, gt=0, description="Responses per prompt (the GRPO group size).")
+    max_new_tokens: Integer = Field(gt=0, description="Longest response in tokens.")
+    temperature: Real = Field(default=1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: Real = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
     stop: list[str] = Field(
         default_factory=list, description="Extra stop strings (single tokens) besides the tokenizer's end tokens."
     )
@@ -112,7 +113,7 @@ class RewardNode(_Node):
     op: Literal["reward"] = "reward"
     fn: str | None = Field(default=None, description="Registered reward rule name or 'module:function'.")
     model: str | None = Field(default=None, description="Reward model (instead of a rule function).")
-    rules: dict[str, float] = Field(
+    rules: dict[str, Real] = Field(
         default_factory=dict,
         description="Answer rules (numeric_answer, exact_match, math_equivalence, boxed_format, ... or "
         "'module:function') and their weights; the reward is the weighted sum. Needs a file dataset.",
@@ -130,10 +131,16 @@ class AdvantageNode(_Node):
     """Turn rewards (and values) into per-token advantages and returns."""
 
     op: Literal["advantage"] = "advantage"
-    estimator: Literal["grpo", "gae", "rloo", "reinforce_pp"] = Field(description="Advantage estimator.")
-    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
-    lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda.")
-    normalize: bool = Field(default=True, description="Divide group-relative advantages by their std (GRPO).")
+    estimator: str = Field(description="Advantage estimator (see graphrl.schemas.algorithms).",
+                           json_schema_extra={"enum": ESTIMATORS.names()})
+    gamma: Real = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
+    lam: Real = Field(default=0.95, ge=0, le=1, description="GAE lambda.")
+    normalize: Boolean = Field(default=True, description="Divide group-relative advantages by their std (GRPO).")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        return check_name(value, ESTIMATORS)
 
 
 class TrainNode(_Node):
@@ -141,8 +148,14 @@ class TrainNode(_Node):
 
     op: Literal["train"] = "train"
     model: str = Field(description="Model whose weights are updated.")
-    loss: Literal["ppo", "grpo", "aipo", "critic"] = Field(description="Loss function.")
-    lr: float | None = Field(default=None, gt=0, description="Learning rate; defaults to algorithm.lr.")
+    loss: str = Field(description="Loss function (see graphrl.schemas.algorithms).",
+                      json_schema_extra={"enum": LOSSES.names()})
+    lr: Real | None = Field(default=None, gt=0, description="Learning rate; defaults to algorithm.lr.")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        return check_name(value, LOSSES)
 
 
 NodeSpec = Annotated[
@@ -154,20 +167,20 @@ NodeSpec = Annotated[
 class AlgorithmSpec(Frozen):
     """Hyper-parameters shared by the losses and the optimizer."""
 
-    lr: float = Field(default=1e-5, gt=0, description="Adam learning rate.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="Adam betas.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    clip_eps: float = Field(default=0.2, gt=0, description="PPO/GRPO ratio clip epsilon.")
-    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the reference model.")
+    lr: Real = Field(default=1e-5, gt=0, description="Adam learning rate.")
+    betas: tuple[Real, Real] = Field(default=(0.9, 0.95), description="Adam betas.")
+    weight_decay: Real = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: Real = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    clip_eps: Real = Field(default=0.2, gt=0, description="PPO/GRPO ratio clip epsilon.")
+    kl_coef: Real = Field(default=0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k1", "k3"] = Field(default="k3", description="KL estimator (Schulman's k1 or k3).")
-    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
-    aipo_rho: float = Field(
+    entropy_coef: Real = Field(default=0.0, ge=0, description="Entropy bonus weight.")
+    aipo_rho: Real = Field(
         default=4.0, gt=1, description="AIPO truncation: importance weight min(pi/mu, rho) (typically 2..10)."
     )
-    micro_batch_size: int = Field(default=0, ge=0, description="Responses per forward/backward; 0 = whole batch.")
-    updates_per_step: int = Field(default=1, gt=0, description="Optimizer steps per batch (PPO epochs).")
-    value_clip: float = Field(default=0.2, gt=0, description="Critic value clipping range.")
+    micro_batch_size: Integer = Field(default=0, ge=0, description="Responses per forward/backward; 0 = whole batch.")
+    updates_per_step: Integer = Field(default=1, gt=0, description="Optimizer steps per batch (PPO epochs).")
+    value_clip: Real = Field(default=0.2, gt=0, description="Critic value clipping range.")
 
 
 class ScheduleSpec(Frozen):
@@ -176,9 +189,9 @@ class ScheduleSpec(Frozen):
     mode: Literal["sync", "async"] = Field(
         default="sync", description="'sync': generate(i) uses weights v=i; 'async': any v >= i - max_staleness."
     )
-    max_staleness: int = Field(default=1, ge=0, description="Async only: how many versions a generate may lag.")
-    steps: int = Field(default=100, gt=0, description="Number of RL steps.")
-    checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint period in steps; 0 = only at the end.")
+    max_staleness: Integer = Field(default=1, ge=0, description="Async only: how many versions a generate may lag.")
+    steps: Integer = Field(default=100, gt=0, description="Number of RL steps.")
+    checkpoint_every: Integer = Field(default=0, ge=0, description="Checkpoint period in steps; 0 = only at the end.")
 
 
 class RoleHint(Frozen):
@@ -187,15 +200,15 @@ class RoleHint(Frozen):
     devices: str | None = Field(
         default=None, description="Device range 'first-last' (inclusive), e.g. '0-7'; unset = search."
     )
-    dp: int | None = Field(default=None, gt=0, description="Data-parallel (replicated) size.")
-    fsdp: int | None = Field(default=None, gt=0, description="Sharded data-parallel size.")
-    tp: int | None = Field(default=None, gt=0, description="Tensor-parallel size.")
-    pp: int | None = Field(default=None, gt=0, description="Pipeline-parallel size.")
+    dp: Integer | None = Field(default=None, gt=0, description="Data-parallel (replicated) size.")
+    fsdp: Integer | None = Field(default=None, gt=0, description="Sharded data-parallel size.")
+    tp: Integer | None = Field(default=None, gt=0, description="Tensor-parallel size.")
+    pp: Integer | None = Field(default=None, gt=0, description="Pipeline-parallel size.")
     sharding: Literal["none", "zero1", "zero2", "fsdp"] | None = Field(
         default=None, description="Training-state sharding over the data-parallel axis."
     )
     precision: Precision | None = Field(default=None, description="Generator weight precision.")
-    offload: bool | None = Field(default=None, description="Allow offloading this role's state to host memory.")
+    offload: Boolean | None = Field(default=None, description="Allow offloading this role's state to host memory.")
 
     @field_validator("devices")
     @classmethod
@@ -234,13 +247,13 @@ class PlacementHints(Frozen):
 class RunSettings(Frozen):
     """Settings of `graphrl run` that do not change the plan."""
 
-    seed: int = Field(default=0, description="Seed of every random number generator.")
+    seed: Integer = Field(default=0, description="Seed of every random number generator.")
     out_dir: str | None = Field(default=None, description="Run folder; default 'runs/<job name>'.")
-    log_every: int = Field(default=1, gt=0, description="Print progress every N steps.")
-    tensorboard: bool = Field(default=True, description="Write TensorBoard scalars.")
+    log_every: Integer = Field(default=1, gt=0, description="Print progress every N steps.")
+    tensorboard: Boolean = Field(default=True, description="Write TensorBoard scalars.")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where ranks compute.")
-    threads_per_rank: int = Field(default=1, gt=0, description="torch intra-op threads per rank process.")
-    samples_per_step: int = Field(default=4, ge=0, description="Rollouts per step written to samples.jsonl as text.")
+    threads_per_rank: Integer = Field(default=1, gt=0, description="torch intra-op threads per rank process.")
+    samples_per_step: Integer = Field(default=4, ge=0, description="Rollouts per step written to samples.jsonl as text.")
 
 
 class JobSpec(Frozen):

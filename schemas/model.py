@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from graphrl.schemas.base import Frozen
+from graphrl.schemas.base import Boolean, Frozen, Integer, Real
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -17,10 +17,10 @@ class RopeScaling(Frozen):
     blend between (Hugging Face `rope_type: llama3`)."""
 
     rope_type: Literal["llama3"] = Field(default="llama3", description="The scaling rule; only 'llama3'.")
-    factor: float = Field(gt=0, description="How much the low frequencies are slowed.")
-    low_freq_factor: float = Field(gt=0, description="Wavelengths above original_max_seq_len / this are scaled.")
-    high_freq_factor: float = Field(gt=0, description="Wavelengths below original_max_seq_len / this are kept.")
-    original_max_seq_len: int = Field(gt=0, description="Context length the model was pre-trained with.")
+    factor: Real = Field(gt=0, description="How much the low frequencies are slowed.")
+    low_freq_factor: Real = Field(gt=0, description="Wavelengths above original_max_seq_len / this are scaled.")
+    high_freq_factor: Real = Field(gt=0, description="Wavelengths below original_max_seq_len / this are kept.")
+    original_max_seq_len: Integer = Field(gt=0, description="Context length the model was pre-trained with.")
 
     @model_validator(mode="after")
     def _ordered(self) -> "RopeScaling":
@@ -32,16 +32,16 @@ class RopeScaling(Frozen):
 class ModelDims(Frozen):
     """Dimensions of a Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
 
-    vocab_size: int = Field(gt=0, description="Number of tokens in the vocabulary.")
-    hidden_size: int = Field(gt=0, description="Width of the residual stream (d_model).")
-    intermediate_size: int = Field(gt=0, description="Width of the SwiGLU feed-forward layer.")
-    num_layers: int = Field(gt=0, description="Number of transformer blocks.")
-    num_heads: int = Field(gt=0, description="Number of query heads.")
-    num_kv_heads: int = Field(gt=0, description="Number of key/value heads (grouped-query attention).")
-    max_seq_len: int = Field(default=8192, gt=0, description="Longest sequence (prompt + response) supported.")
-    rope_theta: float = Field(default=500000.0, gt=0, description="RoPE base frequency.")
-    norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
-    tie_embeddings: bool = Field(default=False, description="Share the input embedding and the output head.")
+    vocab_size: Integer = Field(gt=0, description="Number of tokens in the vocabulary.")
+    hidden_size: Integer = Field(gt=0, description="Width of the residual stream (d_model).")
+    intermediate_size: Integer = Field(gt=0, description="Width of the SwiGLU feed-forward layer.")
+    num_layers: Integer = Field(gt=0, description="Number of transformer blocks.")
+    num_heads: Integer = Field(gt=0, description="Number of query heads.")
+    num_kv_heads: Integer = Field(gt=0, description="Number of key/value heads (grouped-query attention).")
+    max_seq_len: Integer = Field(default=8192, gt=0, description="Longest sequence (prompt + response) supported.")
+    rope_theta: Real = Field(default=500000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: Real = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: Boolean = Field(default=False, description="Share the input embedding and the output head.")
     rope_scaling: RopeScaling | None = Field(default=None, description="RoPE frequency scaling (Llama 3.1+).")
 
     @model_validator(mode="after")

@@ -293,6 +293,11 @@ class Llama(nn.Module):
         )
         _init_weights(self)
 
+    def allocate_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                          device: torch.device | str) -> KVCache:
+        """An empty cache for this model's key/value heads (a tensor-parallel shard holds only its own)."""
+        return KVCache.allocate(self.dims, batch_size, max_len, dtype=dtype, device=device)
+
     def hidden_states(
         self,
         input_ids: Tensor,
@@ -427,8 +432,11 @@ def _check_left_padded(prompt_mask_bp: Tensor) -> None:
         )
 
 
-def _sample(logits_bv: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
-    """Next token [B]: argmax at temperature 0, else nucleus sampling of softmax(logits / temperature)."""
+def _sample(logits_bv: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+            uniform_b: Tensor | None = None) -> Tensor:
+    """Next token [B]: argmax at temperature 0, else nucleus sampling of softmax(logits / temperature),
+    drawn from `generator`, or, given one uniform number per row, by inverting each row's CDF (so a
+    row's token depends on that row alone, not on the batch it was generated in)."""
     if temperature == 0.0:
         return logits_bv.argmax(-1)
     probs_bv = torch.softmax(logits_bv / temperature, dim=-1)
@@ -439,7 +447,13 @@ def _sample(logits_bv: Tensor, temperature: float, top_p: float, generator: torc
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         probs_bv = torch.zeros_like(probs_bv).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs_bv, 1, generator=generator).squeeze(-1)
+    if uniform_b is None:
+        return torch.multinomial(probs_bv, 1, generator=generator).squeeze(-1)
+    cdf_bv = probs_bv.double().cumsum(-1)
+    target_b1 = uniform_b.to(cdf_bv)[:, None] * cdf_bv[:, -1:]
+    # The first token whose CDF exceeds the target; a token of probability 0 is never chosen.
+    token_b = torch.searchsorted(cdf_bv, target_b1, right=True).squeeze(-1)
+    return token_b.clamp(max=probs_bv.shape[-1] - 1)
 
 
 @torch.no_grad()
@@ -452,14 +466,18 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
     eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
 ) -> GenerationOutput:
     """Sample up to max_new_tokens per left-padded prompt [B, P] with a static KV cache.
 
     One prefill forward over the prompts, then one forward per new token. Sampling draws only from
-    `generator` (on the model's device), so a seeded generator reproduces the output. After a row
-    emits `eos_id` (or any of several stop ids: a chat model's end-of-turn and end-of-text) it is padded with `pad_id` (mask False, logprob 0); the loop stops once all rows
+    `generator` (on the model's device), so a seeded generator reproduces the output; or, with
+    `uniforms` [B, max_new_tokens] in [0, 1), token t of row b inverts that row's CDF at
+    uniforms[b, t], so each row's sample is the same however the batch is split. After a row
+    emits `eos_id` (or any of several stop ids: a chat model's end-of-turn and end-of-text) it is
+    padded with `pad_id` (mask False, logprob 0); the loop stops once all rows
     have. `temperature == 0` is greedy decoding.
     """
     if temperature < 0:
@@ -468,11 +486,11 @@ def generate(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     _check_left_padded(prompt_mask)
     batch_size, prompt_len = prompt_ids.shape
+    if uniforms is not None and tuple(uniforms.shape) != (batch_size, max_new_tokens):
+        raise ValueError(f"uniforms must have shape {(batch_size, max_new_tokens)}, got {tuple(uniforms.shape)}")
     device = prompt_ids.device
     param = next(model.parameters())
-    cache = KVCache.allocate(
-        model.dims, batch_size, prompt_len + max_new_tokens, dtype=param.dtype, device=device
-    )
+    cache = model.allocate_kv_cache(batch_size, prompt_len + max_new_tokens, dtype=param.dtype, device=device)
     response_ids = torch.full((batch_size, max_new_tokens), pad_id, dtype=torch.int64, device=device)
     response_mask = torch.zeros(batch_size, max_new_tokens, dtype=torch.bool, device=device)
     logprobs = torch.zeros(batch_size, max_new_tokens, dtype=torch.float32, device=device)
@@ -484,7 +502,7 @@ def generate(
     hidden = model.hidden_states(prompt_ids, prompt_mask.to(torch.bool), kv_cache=cache)
     logits_bv = model.logits(hidden[:, -1])
     for step in range(max_new_tokens):
-        token_b = _sample(logits_bv, temperature, top_p, generator)
+        token_b = _sample(logits_bv, temperature, top_p, generator, None if uniforms is None else uniforms[:, step])
         live_b = ~done_b
         token_b = torch.where(live_b, token_b, pad_id)
         token_logprob_b = torch.log_softmax(logits_bv, dim=-1).gather(-1, token_b[:, None]).squeeze(-1)

@@ -67,12 +67,21 @@ EXPECTED: dict[str, Expect] = {
     "unknown_key_in_placement_role.yaml": Expect("placement.roles.policy.gpus", 51, "unknown key 'gpus'"),
     "unknown_key_in_run.yaml": Expect("run.seeds", 48, "did you mean 'seed'"),
     # -- wrong types --------------------------------------------------------------------------------
-    "wrong_type_batch_size.yaml": Expect("nodes.prompts.batch_size", 15, "valid integer"),
+    "wrong_type_batch_size.yaml": Expect("nodes.prompts.batch_size", 15, "must be an integer, not a string"),
     "wrong_type_nodes_is_list.yaml": Expect("nodes", 11, "valid dictionary"),
     "wrong_type_inputs_is_string.yaml": Expect("nodes.score.inputs", 28, "valid dictionary"),
-    "wrong_type_temperature_list.yaml": Expect("nodes.rollout.temperature", 23, "valid number"),
+    "wrong_type_temperature_list.yaml": Expect("nodes.rollout.temperature", 23, "must be a number, not a list"),
     "wrong_type_models_is_scalar.yaml": Expect("models", 6, "valid dictionary"),
     "bad_job_name.yaml": Expect("name", 2, "'grpo tiny'"),
+    # -- values no run can use: no coercion between booleans, numbers and strings, no inf or nan ----
+    "lr_infinite.yaml": Expect("algorithm.lr", 40, "must be a finite number (got inf)"),
+    "lr_nan_word.yaml": Expect("algorithm.lr", 40, "must be a finite number, not the string 'nan'"),
+    "temperature_nan.yaml": Expect("nodes.rollout.temperature", 23, "must be a finite number (got nan)"),
+    "batch_size_true.yaml": Expect("nodes.prompts.batch_size", 15, "must be an integer, not a boolean (got true)"),
+    "steps_quoted.yaml": Expect("schedule.steps", 45, "not a string (got '150')\n  fix: write the number without quotes"),
+    "lr_quoted.yaml": Expect("algorithm.lr", 40, "must be a number, not a string (got '3.0e-3')"),
+    "samples_per_prompt_float.yaml": Expect("nodes.rollout.samples_per_prompt", 21, "must be an integer (got 8.0)"),
+    "normalize_one.yaml": Expect("nodes.adv.normalize", 32, "must be true or false (got 1)"),
     # -- counts and ranges --------------------------------------------------------------------------
     "batch_size_zero.yaml": Expect("nodes.prompts.batch_size", 15, "greater than 0"),
     "steps_negative.yaml": Expect("schedule.steps", 45, "greater than 0 (got -1)"),
@@ -81,7 +90,7 @@ EXPECTED: dict[str, Expect] = {
     "empty_section.yaml": Expect("run", 47, "(got None)"),  # an empty value is null, not a YAML syntax error
     "missing_required_field.yaml": Expect("nodes.rollout.max_new_tokens", 18, "required field is missing"),
     "node_without_op.yaml": Expect("nodes.score", 25, "no 'op'"),
-    "unknown_estimator.yaml": Expect("nodes.adv.estimator", 31, "'grpo', 'gae'"),
+    "unknown_estimator.yaml": Expect("nodes.adv.estimator", 31, "unknown advantage estimator; known: gae, grpo, reinforce_pp, rloo"),
     # -- references between nodes -------------------------------------------------------------------
     "ref_unknown_node.yaml": Expect("nodes.adv.inputs.rewards", 32, "'scores'"),
     "ref_unknown_port.yaml": Expect("nodes.adv.inputs.rewards", 32, "no output port 'reward'"),
@@ -110,6 +119,13 @@ EXPECTED: dict[str, Expect] = {
     "model_no_preset_no_dims.yaml": Expect("models.policy", 7, "exactly one of 'preset' or 'dims'"),
     "model_dims_heads_mismatch.yaml": Expect("models.policy.dims", 8, "not divisible by num_heads"),
     # -- placement and clusters ---------------------------------------------------------------------
+    # -- pins the model or the hardware cannot hold (refused by validate, before any search or run) ---
+    "pin_tp_exceeds_devices.yaml": Expect("placement.roles.policy/generate.tp", 52, "tp 4 needs 4 devices; the mesh of 'policy/generate' has 1 or 2 devices"),
+    "pin_tp_not_dividing_heads.yaml": Expect("placement.roles.policy/generate.tp", 52, "does not divide the 4 attention heads"),
+    "pin_tp_kv_heads.yaml": Expect("placement.roles.policy.tp", 53, "tp 6 does not divide the 4 KV heads (a trainer does not replicate"),
+    "pin_tp_not_dividing_range.yaml": Expect("placement.roles.policy.tp", 53, "tp 2 does not divide the 3 devices of its range '0-2'"),
+    "pin_axes_product.yaml": Expect("placement.roles.policy", 53, "= 1 device, but the mesh of 'policy' has the 2 devices"),
+    "pin_unknown_role.yaml": Expect("placement.roles.policy/gen", 52, "roles of this job: policy, policy/generate"),
     "device_range_reversed.yaml": Expect("placement.roles.policy.devices", 49, "'3-1' ends before it starts"),
     "cluster_missing.yaml": Expect("cluster", 4, "neither a preset nor an existing file"),
     "cluster_zero_devices.yaml": Expect("devices_per_node", 4, "greater than 0", file="clusters/zero_devices.yaml"),

@@ -7,6 +7,8 @@ mutated text, so the tests survive edits to the example.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -119,3 +121,20 @@ def test_cluster_default_is_checked_by_validate(tmp_path: Path) -> None:
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: {job}:{_line_of(text, 'local-cpu-3')}:")
     assert ": cluster: " in result.stderr and "local-cpu-2" in result.stderr  # the fix lists the presets
+
+
+def test_compiling_and_simulating_never_import_torch() -> None:
+    """torch's import takes about two seconds; the compiler, the simulator and plan files do not need it."""
+    code = (
+        "import sys\n"
+        "from graphrl.compiler.compile import compile_job\n"
+        "from graphrl.compiler.simreport import simulate_report\n"
+        "from graphrl.loader import job_cluster, load_job\n"
+        "from graphrl.plan_io import plan_from_bytes, plan_to_bytes\n"
+        "job = load_job('examples/aipo_async_tiny.yaml')\n"
+        "plan = plan_from_bytes(plan_to_bytes(compile_job(job, job_cluster(job, None))))\n"
+        "simulate_report(plan)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

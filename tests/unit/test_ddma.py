@@ -63,6 +63,7 @@ def brute_lower_bound(params, src_mesh, src_layout, dst_mesh, dst_layout, eb) ->
 
 def check_plan(plan: WeightSyncPlan, params, src_mesh, src_layout, dst_mesh, dst_layout, eb: int, limit: int) -> None:
     by_name = {p.name: p for p in params}
+    assert plan.num_pairs == len({(b.src, b.dst) for b in plan.buckets()})
     coverage = {}  # (param, dst rank) -> count per element
     for p in params:
         for r in dst_mesh.ranks():

@@ -21,6 +21,7 @@ from graphrl.compiler.layout import (
     shard_bounds,
     shard_region,
     split_bounds,
+    chunk_bounds,
 )
 from graphrl.errors import GraphRLError, PlacementError
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
@@ -69,6 +70,16 @@ def test_coords_of_a_foreign_rank_is_an_error() -> None:
 
 
 @given(st.integers(0, 40), st.integers(1, 9))
+def test_chunk_bounds_are_what_a_dtensor_shard_holds(length: int, num_pieces: int) -> None:
+    """DTensor's Shard (and FSDP2) cut like torch.chunk, padded with empty pieces at the end."""
+    pieces = list(torch.chunk(torch.arange(length), num_pieces)) if length else []
+    pieces += [torch.arange(0)] * (num_pieces - len(pieces))
+    for i, piece in enumerate(pieces):
+        start, stop = chunk_bounds(length, num_pieces, i)
+        assert torch.equal(piece, torch.arange(start, stop))
+
+
+@given(st.integers(0, 40), st.integers(1, 9))
 def test_split_bounds_follow_torch_tensor_split(length: int, num_pieces: int) -> None:
     pieces = torch.tensor_split(torch.arange(length), num_pieces)
     for i, piece in enumerate(pieces):
@@ -76,13 +87,14 @@ def test_split_bounds_follow_torch_tensor_split(length: int, num_pieces: int) ->
         assert torch.equal(piece, torch.arange(start, stop))
 
 
-def test_two_axes_on_one_dim_nest_in_mesh_order() -> None:
-    """fsdp (first axis) splits dim 0 into 2; tp (second) splits each half into 3: 10 -> 5,5 -> 2,2,1."""
+def test_tp_and_fsdp_on_one_dim_nest_as_torch_applies_them() -> None:
+    """parallelize_module cuts over tp first (10 -> 4, 4, 2), then fully_shard cuts each tp shard over
+    fsdp (a strided shard): rank (fsdp i, tp j) = 3 i + j holds piece i of tp piece j."""
     mesh = Mesh.contiguous([(FSDP, 2), (TP, 3)])
     param = ParamInfo("w", (10, 4))
     layout = {FSDP: Shard(0), TP: Shard(0)}
     rows = [shard_bounds(param, mesh, r, layout)[0] for r in mesh.ranks()]
-    assert rows == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10)]
+    assert rows == [(0, 2), (4, 6), (8, 9), (2, 4), (6, 8), (9, 10)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -91,7 +103,7 @@ def test_two_axes_on_one_dim_nest_in_mesh_order() -> None:
     sizes=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
     choice=st.data(),
 )
-def test_regions_match_nested_tensor_split_and_replicas_cover_each_element_equally(shape, sizes, choice) -> None:
+def test_regions_match_nested_dtensor_shards_and_replicas_cover_each_element_equally(shape, sizes, choice) -> None:
     axes = [(DP, sizes[0]), (FSDP, sizes[1]), (TP, sizes[2])]
     order = choice.draw(st.permutations(axes))
     mesh = Mesh.contiguous(order)
@@ -103,12 +115,16 @@ def test_regions_match_nested_tensor_split_and_replicas_cover_each_element_equal
     count = torch.zeros(shape, dtype=torch.int64)
     for rank in mesh.ranks():
         region = shard_region(param, mesh, rank, layout)
-        # Reference: cut the full tensor with tensor_split, axis by axis in mesh order.
+        # Reference: cut the full tensor as DTensor does (torch.chunk, empty pieces at the end), axis by
+        # axis: tp first, then fsdp (the order torch applies them), then the others in mesh order.
         expected = full
         coords = mesh.coords(rank)
-        for axis, size in mesh.axes:
+        for axis, size in sorted(mesh.axes, key=lambda a: {TP: 0, FSDP: 1}.get(a[0], 2)):
             if isinstance(layout[axis], Shard):
-                expected = torch.tensor_split(expected, size, dim=layout[axis].dim)[coords[axis]]
+                dim = layout[axis].dim
+                pieces = torch.chunk(expected, size, dim=dim) if expected.shape[dim] else ()
+                i = coords[axis]
+                expected = pieces[i] if i < len(pieces) else expected.narrow(dim, expected.shape[dim], 0)
         assert torch.equal(full[region], expected)
         count[region] += 1
     replicas = math.prod(size for axis, size in axes if isinstance(layout[axis], Replicate))

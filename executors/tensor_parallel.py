@@ -1,0 +1,282 @@
+"""Tensor-parallel generation: a Llama whose weights are 1/t shards over a tensor-parallel group.
+
+A generator role with `tp = t` runs on a group of t ranks; each holds the shards below, runs the same
+KV-cache generation loop as the unsharded model (`models/llama.py:generate`) and samples the same
+tokens. The shards are exactly the regions `compiler/layout.py:llama_param_layout` gives the
+generator mesh (dp x tp), cut as DTensor's `Shard` cuts (`layout.chunk_bounds`), so a DDMA weight sync writes
+straight into them:
+
+- q/k/v/gate/up_proj: output rows split (column parallel): heads and SwiGLU features split;
+- o/down_proj: input columns split (row parallel): a partial sum per rank, one all-reduce per layer;
+- embed_tokens (and lm_head): vocabulary rows split: each rank looks up the tokens of its rows (zeros
+  elsewhere) and one all-reduce sums; logits of the rank's rows are all-gathered before sampling;
+- norms replicated.
+
+KV heads: with t <= kv_heads a rank holds kv_heads / t of them. With t > kv_heads (a multiple) each KV
+head is replicated on t / kv_heads ranks, as the cost model assumes. The plan still delivers each rank
+1/t of the k/v rows, a block inside the rank's own head: that block is a view into the rank's head, and
+one all-gather over the group fills the rest of the head after each sync (`complete_kv_heads`).
+
+Why explicit shards and not DTensor: decoding is a loop of forwards over one token, where per-op
+dispatch would cost more than the math, and the weight sync needs plain tensors whose regions are the
+plan's. Every rank of a group gets the same bits from each all-reduce and all-gather, hence the same
+hidden states and logits, and draws from a generator seeded alike: all ranks sample the same tokens
+and their KV caches stay consistent, with no broadcast of the samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from graphrl.compiler.layout import chunk_bounds
+from graphrl.errors import RunError
+from graphrl.schemas.model import ModelDims
+
+from graphrl.executors.models.llama import KVCache, Llama
+
+Region = tuple[tuple[int, int], ...]  # (start, stop) per dim, in full-tensor coordinates
+
+# Which dim of a Llama weight the tp axis splits (`llama_param_layout`); absent: replicated.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+_KV = ("k_proj", "v_proj")
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The tensor dim the tp axis splits for a HF-named Llama parameter; None when it is replicated."""
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    if module in _COLUMN_PARALLEL or module in _VOCAB_PARALLEL:
+        return 0
+    if module in _ROW_PARALLEL and kind == "weight":
+        return 1
+    return None
+
+
+def tp_region(name: str, shape: tuple[int, ...], tp_rank: int, tp_size: int) -> Region:
+    """The region of the full tensor `name` that rank `tp_rank` of a tp group holds under the plan's layout."""
+    region = [(0, n) for n in shape]
+    dim = tp_split_dim(name)
+    if dim is not None:
+        region[dim] = chunk_bounds(shape[dim], tp_size, tp_rank)
+    return tuple(region)
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """One rank's place in its tensor-parallel group and the group's collectives."""
+
+    rank: int  # index within the group, 0..size-1
+    size: int
+    group: Any  # torch process group; None when size == 1
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: Tensor, sizes: list[int]) -> Tensor:
+        """Concatenate every rank's `x` along the last dim; rank i's `x` has sizes[i] there (may differ)."""
+        if self.size == 1:
+            return x
+        width = max(sizes)
+        padded = F.pad(x, (0, width - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer holding a block of input columns: each rank's product is a partial sum of the
+    full output, all-reduced over the group (the one collective of an attention or MLP block)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, **factory: Any) -> None:
+        super().__init__(in_features, out_features, bias=False, **factory)
+        self.tp = tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding holding vocabulary rows [start, start + n): tokens outside read as zeros, and the
+    all-reduce over the group adds the one rank's row that holds each token (exact: the rest are 0)."""
+
+    def __init__(self, start: int, num_rows: int, hidden_size: int, tp: TensorParallelGroup, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_rows, hidden_size, **factory))
+        self.start = start
+        self.tp = tp
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        if self.weight.shape[0] == 0:
+            x = self.weight.new_zeros(*ids.shape, self.weight.shape[1])
+        else:
+            x = F.embedding(torch.where(inside, local, 0), self.weight).masked_fill(~inside[..., None], 0.0)
+        return self.tp.all_reduce(x)
+
+
+class TensorParallelLlama(Llama):
+    """`Llama` with the parameter names of the full model and the shapes of one tp rank's shards.
+
+    Build it with `from_full` (a full model's weights, sliced) or empty (NaN) for a weight sync to
+    fill; `shards()` gives the weight sync the plan's regions. Generation goes through the shared
+    `generate` unchanged: the layers run on local heads, `logits` returns the full vocabulary.
+    """
+
+    def __init__(self, dims: ModelDims, tp: TensorParallelGroup, *, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        t, r = tp.size, tp.rank
+        kv = dims.num_kv_heads
+        if dims.num_heads % t or (kv % t and t % kv):
+            raise RunError(f"tp={t} does not divide the {dims.num_heads} attention heads, or neither divides "
+                           f"the other with the {kv} KV heads", fix="pin a tp that divides the heads")
+        self.kv_replicas = max(t // kv, 1)  # ranks that hold each KV head
+        if (dims.head_dim * kv) % t:
+            raise RunError(f"tp={t} cuts the {kv} KV heads of head_dim {dims.head_dim} inside a row block of "
+                           "another head", fix="pin a tp that divides num_kv_heads * head_dim")
+        super().__init__(dims, device="meta", dtype=dtype)
+        self.tp = tp
+        h, hd = dims.hidden_size, dims.head_dim
+        heads = dims.num_heads // t
+        kv_heads = max(kv // t, 1)
+        factory = {"device": device, "dtype": dtype}
+        self.vocab_sizes = [b - a for a, b in (chunk_bounds(dims.vocab_size, t, i) for i in range(t))]
+        v_lo, v_hi = chunk_bounds(dims.vocab_size, t, r)
+        i_lo, i_hi = chunk_bounds(dims.intermediate_size, t, r)
+        self.model.embed_tokens = VocabParallelEmbedding(v_lo, v_hi - v_lo, h, tp, **factory)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.num_heads, attn.num_kv_heads = heads, kv_heads
+            attn.q_proj = nn.Linear(h, heads * hd, bias=False, **factory)
+            attn.k_proj = nn.Linear(h, kv_heads * hd, bias=False, **factory)
+            attn.v_proj = nn.Linear(h, kv_heads * hd, bias=False, **factory)
+            attn.o_proj = RowParallelLinear(heads * hd, h, tp, **factory)
+            mlp.gate_proj = nn.Linear(h, i_hi - i_lo, bias=False, **factory)
+            mlp.up_proj = nn.Linear(h, i_hi - i_lo, bias=False, **factory)
+            mlp.down_proj = RowParallelLinear(i_hi - i_lo, h, tp, **factory)
+        if self.lm_head is not None:
+            self.lm_head = nn.Linear(h, v_hi - v_lo, bias=False, **factory)
+        self.to_empty(device=device)  # the norms were still on the meta device
+        self.requires_grad_(False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.fill_(float("nan"))  # a shard nobody wrote can never pass for a weight
+
+    @classmethod
+    def from_full(cls, full: Llama, tp: TensorParallelGroup) -> "TensorParallelLlama":
+        """This rank's shards of an unsharded model (same dims, device and dtype)."""
+        param = next(full.parameters())
+        model = cls(full.dims, tp, device=param.device, dtype=param.dtype)
+        model.load_full(full.state_dict())
+        return model
+
+    # -- the plan's regions ------------------------------------------------------------------------
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full-model shape of every parameter, by name."""
+        d = self.dims
+        rows = {"q_proj": d.num_heads * d.head_dim, "k_proj": d.num_kv_heads * d.head_dim,
+                "v_proj": d.num_kv_heads * d.head_dim, "gate_proj": d.intermediate_size,
+                "up_proj": d.intermediate_size, "embed_tokens": d.vocab_size, "lm_head": d.vocab_size}
+        cols = {"o_proj": d.num_heads * d.head_dim, "down_proj": d.intermediate_size}
+        out = {}
+        for name, p in self.named_parameters():
+            module = name.split(".")[-2]
+            shape = list(p.shape)
+            if module in rows:
+                shape[0] = rows[module]
+            elif module in cols:
+                shape[1] = cols[module]
+            out[name] = tuple(shape)
+        return out
+
+    def _kv_head_rows(self, full_rows: int) -> tuple[int, int]:
+        """Rows [a, b) of a full k/v weight that this rank's replicated head covers."""
+        head = self.tp.rank // self.kv_replicas
+        rows = full_rows // self.dims.num_kv_heads
+        return head * rows, (head + 1) * rows
+
+    def _replicated(self, name: str) -> bool:
+        return self.kv_replicas > 1 and name.split(".")[-2] in _KV
+
+    def shards(self) -> dict[str, tuple[Tensor, Region]]:
+        """Per parameter, the tensor the weight sync writes and the full-tensor region it is (the
+        plan's region; for a replicated KV head, a view of the rank's block inside its head)."""
+        out = {}
+        for name, shape in self.full_shapes().items():
+            p = self.get_parameter(name)
+            region = tp_region(name, shape, self.tp.rank, self.tp.size)
+            if self._replicated(name):
+                (a, b), (head_a, head_b) = region[0], self._kv_head_rows(shape[0])
+                assert head_a <= a <= b <= head_b, (name, region, head_a, head_b)
+                out[name] = (p[a - head_a:b - head_a], region)
+            else:
+                assert tuple(p.shape) == tuple(b - a for a, b in region), (name, p.shape, region)
+                out[name] = (p, region)
+        return out
+
+    # -- loading -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_full(self, state: Mapping[str, Tensor]) -> None:
+        """Copy this rank's regions (whole heads where KV heads are replicated) out of full tensors."""
+        for name, shape in self.full_shapes().items():
+            full = state[name]
+            if tuple(full.shape) != shape:
+                raise RunError(f"{name}: full tensor has shape {tuple(full.shape)}, expected {shape}")
+            if self._replicated(name):
+                a, b = self._kv_head_rows(shape[0])
+                self.get_parameter(name).copy_(full[a:b])
+            else:
+                region = tp_region(name, shape, self.tp.rank, self.tp.size)
+                self.get_parameter(name).copy_(full[tuple(slice(a, b) for a, b in region)])
+
+    @torch.no_grad()
+    def complete_kv_heads(self) -> None:
+        """After a weight sync wrote each rank's block of k/v rows: fill the rest of every replicated
+        KV head from the group's other ranks (one all-gather of all layers' blocks). A collective over
+        the group; a no-op when every rank holds whole heads."""
+        if self.kv_replicas == 1:
+            return
+        shards = self.shards()
+        names = [n for n in shards if self._replicated(n)]
+        blocks = [shards[n][0] for n in names]
+        sizes = [b.numel() for b in blocks]
+        mine = torch.cat([b.reshape(-1) for b in blocks])
+        gathered = [torch.empty_like(mine) for _ in range(self.tp.size)]
+        dist.all_gather(gathered, mine, group=self.tp.group)
+        head = self.tp.rank // self.kv_replicas
+        peers = range(head * self.kv_replicas, (head + 1) * self.kv_replicas)
+        offset = 0
+        for name, block, n in zip(names, blocks, sizes):
+            head_rows = torch.cat([gathered[q][offset:offset + n].view(block.shape) for q in peers])
+            self.get_parameter(name).copy_(head_rows)
+            offset += n
+
+    # -- generation --------------------------------------------------------------------------------
+    def allocate_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                          device: torch.device | str) -> KVCache:
+        d = self.dims
+        shape = (d.num_layers, batch_size, self.model.layers[0].self_attn.num_kv_heads, max_len, d.head_dim)
+        return KVCache(
+            keys_lbhsd=torch.zeros(shape, dtype=dtype, device=device),
+            values_lbhsd=torch.zeros(shape, dtype=dtype, device=device),
+            key_valid_bs=torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
+            num_valid_b=torch.zeros(batch_size, dtype=torch.int64, device=device),
+        )
+
+    def logits(self, hidden_bth: Tensor) -> Tensor:
+        """Float32 logits over the full vocabulary: this rank's rows, all-gathered over the group."""
+        return self.tp.all_gather_last(super().logits(hidden_bth), self.vocab_sizes)
+
+
+__all__ = ["RowParallelLinear", "TensorParallelGroup", "TensorParallelLlama", "VocabParallelEmbedding",
+           "tp_region", "tp_split_dim"]

@@ -1,0 +1,294 @@
+"""Tensor-parallel generation on real ranks (gloo, 4 processes, one spawn for every case).
+
+What each case checks, against a full model built on every rank from the same seed:
+- tp=2 (one group tied, one untied) and tp=4 (KV heads replicated on 2 ranks each) sample the same
+  tokens as tp=1 and their log-probabilities agree within LOGPROB_ATOL; every rank of a group returns
+  the same bits (the samples are drawn, not broadcast, so a rank that diverged would show here);
+- after a DDMA weight sync planned by the compiler (`schedule._ddma`, stored as a plan stores it), from
+  a full trainer and from an FSDP2-sharded one (DTensor shards), every generator shard equals the
+  trainer's full tensor's region bit for bit, replicated KV heads included, and generation with the
+  synced shards samples what tp=1 samples with the trainer's weights; the same from an fsdp x tp
+  trainer (2-D DTensors, `parallelize_module` then `fully_shard`).
+
+Tolerance: tp changes only the order of float32 sums (each row-parallel layer adds t partial
+products instead of one; the vocabulary all-gather and the masked embedding are exact). The
+reordering moves a logit by a few float32 ulps per layer (~1e-7 relative for these magnitudes);
+through two layers and a log-softmax over 30 tokens the measured difference stays below 1e-6.
+LOGPROB_ATOL = 1e-5 leaves that margin while a wrong shard or a missing all-reduce moves
+log-probabilities by 1e-2 and more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphrl.compiler import schedule
+from graphrl.compiler.schedule import MeshRanks
+from graphrl.executors.models.llama import Llama, generate
+from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer
+from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
+from graphrl.executors.weightsync import run_weight_sync
+from graphrl.schemas.hardware import HARDWARE_PRESETS
+from graphrl.schemas.model import ModelDims
+
+WORLD = 4
+# Vocabulary 30 and 90 SwiGLU features split unevenly over 4 ranks (8, 8, 8, 6 and 23, 23, 23, 21).
+DIMS = ModelDims(vocab_size=30, hidden_size=64, intermediate_size=90, num_layers=2, num_heads=4, num_kv_heads=2,
+                 max_seq_len=64, rope_theta=10000.0)
+TIED = DIMS.model_copy(update={"tie_embeddings": True})
+INIT_SEED, TRAINED_SEED, SAMPLE_SEED = 11, 22, 33
+LOGPROB_ATOL = 1e-5
+TIMEOUT_S = 20
+WORLD_DEADLINE_S = 150
+
+
+def seeded_model(dims: ModelDims, seed: int) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(dims)
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 30, (6, 7), generator=gen)
+    mask = torch.ones(6, 7, dtype=torch.bool)
+    mask[:3, :2] = False  # left padding on some rows
+    return ids, mask
+
+
+def sample(model: Llama) -> Any:
+    ids, mask = prompts()
+    return generate(model, ids, mask, 8, temperature=0.9, top_p=0.95,
+                    generator=torch.Generator().manual_seed(SAMPLE_SEED), eos_id=0)
+
+
+def compare_with_tp1(tp_model: TensorParallelLlama, full: Llama, tp: TensorParallelGroup) -> dict[str, float]:
+    """tp generation against tp=1 on this rank, and against the other ranks of the group."""
+    got, want = sample(tp_model), sample(full)
+    if not torch.equal(got.response_ids, want.response_ids):
+        raise AssertionError(f"tokens differ from tp=1:\n{got.response_ids}\n{want.response_ids}")
+    if not torch.equal(got.response_mask, want.response_mask):
+        raise AssertionError("response masks differ from tp=1")
+    diff = float((got.logprobs - want.logprobs).abs().max())
+    if diff > LOGPROB_ATOL:
+        raise AssertionError(f"log-probabilities differ from tp=1 by {diff:.3g} > {LOGPROB_ATOL}")
+    mine = torch.cat([got.response_ids.double().flatten(), got.logprobs.double().flatten()])
+    everyone = [torch.empty_like(mine) for _ in range(tp.size)]
+    dist.all_gather(everyone, mine, group=tp.group)
+    if not all(torch.equal(x, mine) for x in everyone):
+        raise AssertionError("ranks of one tensor-parallel group returned different samples")
+    return {"max_logprob_diff": diff}
+
+
+def check_shards(model: TensorParallelLlama, full: dict[str, torch.Tensor]) -> int:
+    """Every shard (the plan's region) and every replicated KV head against the full tensors, bit for bit."""
+    bad = []
+    for name, (tensor, region) in model.shards().items():
+        if not torch.equal(tensor, full[name][tuple(slice(a, b) for a, b in region)]):
+            bad.append(f"{name}{list(region)}")
+    for name, p in model.named_parameters():
+        if model._replicated(name):
+            a, b = model._kv_head_rows(full[name].shape[0])
+            if not torch.equal(p, full[name][a:b]):
+                bad.append(f"{name} (replicated head rows {a}:{b})")
+    if bad:
+        raise AssertionError(f"{len(bad)} shards differ from the trainer's weights: {bad[:6]}")
+    return len(model.shards())
+
+
+def stored_plan(src: MeshRanks, dst: MeshRanks, dims: ModelDims) -> dict[str, Any]:
+    data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
+    return json.loads(json.dumps(data))
+
+
+def trainer(first: int, fsdp: int = 1) -> MeshRanks:
+    return MeshRanks(first, fsdp, 1, fsdp, 1, 1)
+
+
+def generator(first: int, tp: int) -> MeshRanks:
+    return MeshRanks(first, tp, 1, 1, tp, 1)
+
+
+# --- the cases, as each rank runs them ------------------------------------------------------------
+
+
+def case_tp2_generation(rank: int, groups: dict[str, Any]) -> dict[str, float]:
+    dims = TIED if rank < 2 else DIMS
+    tp = TensorParallelGroup(rank % 2, 2, groups["01"] if rank < 2 else groups["23"])
+    full = seeded_model(dims, INIT_SEED)
+    return compare_with_tp1(TensorParallelLlama.from_full(full, tp), full, tp)
+
+
+def case_tp4_generation_replicated_kv(rank: int, groups: dict[str, Any]) -> dict[str, float]:
+    tp = TensorParallelGroup(rank, 4, groups["0123"])
+    full = seeded_model(DIMS, INIT_SEED)
+    model = TensorParallelLlama.from_full(full, tp)
+    assert model.kv_replicas == 2
+    return compare_with_tp1(model, full, tp)
+
+
+def _sync_and_check(rank: int, data: dict[str, Any], src: torch.nn.Module | None, tp: TensorParallelGroup | None,
+                    dims: ModelDims) -> dict[str, float]:
+    dst = TensorParallelLlama(dims, tp, device="cpu", dtype=torch.float32) if tp is not None else None
+    cpu = torch.device("cpu")
+    run_weight_sync(data, rank, src, dst, SimpleNamespace(comm_device=cpu, device=cpu))
+    if dst is None:
+        return {}
+    reference = seeded_model(dims, TRAINED_SEED)
+    checked = check_shards(dst, dict(reference.named_parameters()))
+    return {"shards_checked": checked, **compare_with_tp1(dst, reference, tp)}
+
+
+def case_sync_full_to_tp2(rank: int, groups: dict[str, Any]) -> dict[str, float]:
+    data = stored_plan(trainer(0), generator(2, 2), DIMS)
+    src = seeded_model(DIMS, TRAINED_SEED) if rank == 0 else None
+    tp = TensorParallelGroup(rank - 2, 2, groups["23"]) if rank >= 2 else None
+    return _sync_and_check(rank, data, src, tp, DIMS)
+
+
+def case_sync_fsdp2_to_tp4_shared(rank: int, groups: dict[str, Any]) -> dict[str, float]:
+    """FSDP2 trainer on ranks 0-1 (DTensor shards), tp=4 generator on 0-3 (replicated KV heads)."""
+    data = stored_plan(trainer(0, fsdp=2), generator(0, 4), TIED)
+    src = None
+    if rank < 2:
+        src = seeded_model(TIED, TRAINED_SEED)
+        wrap_trainer(src, "fsdp", groups["01"], torch.device("cpu"))
+        assert all(hasattr(p, "to_local") for p in src.parameters())
+    return _sync_and_check(rank, data, src, TensorParallelGroup(rank, 4, groups["0123"]), TIED)
+
+
+def case_sync_fsdp2xtp2_to_tp2(rank: int, groups: dict[str, Any]) -> dict[str, float]:
+    """fsdp2 x tp2 trainer on ranks 0-3 (2-D DTensors: tp shards, each cut again over fsdp, unevenly
+    for the 45 SwiGLU rows and 15 vocabulary rows of a tp shard), tp=2 generator on ranks 2-3."""
+    trainer_ranks = (0, 1, 2, 3)
+    data = stored_plan(MeshRanks(0, 4, 1, 2, 2, 1), generator(2, 2), DIMS)
+    src = seeded_model(DIMS, TRAINED_SEED)
+    grid = trainer_mesh_groups(trainer_ranks, 2, rank, TIMEOUT_S)
+    wrap_tensor_parallel_trainer(src, "fsdp", trainer_ranks, 2, grid, torch.device("cpu"))
+    assert all(p.to_local().shape != p.shape for p in src.parameters() if p.dim() == 2)
+    tp = TensorParallelGroup(rank - 2, 2, groups["23"]) if rank >= 2 else None
+    return _sync_and_check(rank, data, src, tp, DIMS)
+
+
+CASES = {f.__name__.removeprefix("case_"): f for f in (case_tp2_generation, case_tp4_generation_replicated_kv,
+                                                        case_sync_full_to_tp2, case_sync_fsdp2_to_tp4_shared,
+                                                        case_sync_fsdp2xtp2_to_tp2)}
+
+
+def rank_main(rank: int, port: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
+        groups = {"01": dist.new_group([0, 1]), "23": dist.new_group([2, 3]), "0123": dist.group.WORLD}
+    except Exception:
+        out.put((rank, None, traceback.format_exc(), {}))
+        return
+    for name, case in CASES.items():
+        try:
+            out.put((rank, name, None, case(rank, groups)))
+        except BaseException:
+            out.put((rank, name, traceback.format_exc(), {}))
+        try:
+            dist.barrier()
+        except Exception:
+            out.put((rank, None, traceback.format_exc(), {}))
+            return
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str | None, dict[int, tuple[str | None, dict]]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, port, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got: dict[str | None, dict[int, tuple[str | None, dict]]] = {}
+    deadline = time.monotonic() + WORLD_DEADLINE_S
+    while sum(len(v) for k, v in got.items() if k is not None) < WORLD * len(CASES) and time.monotonic() < deadline:
+        try:
+            rank, name, err, info = out.get(timeout=1.0)
+        except queue_mod.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        got.setdefault(name, {})[rank] = (err, info)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return got
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tensor_parallel_case(name: str, reports) -> None:
+    mine = reports.get(name, {})
+    problems = [f"rank {r}: {err}" for r, (err, _) in sorted(mine.items()) if err]
+    problems += [f"rank {r}: never reported" for r in range(WORLD) if r not in mine]
+    problems += [f"rank {r} (world): {err.strip().splitlines()[-1]}" for r, (err, _) in sorted(reports.get(None, {}).items())]
+    assert not problems, "\n".join(problems)
+    diffs = [info["max_logprob_diff"] for _, info in mine.values() if "max_logprob_diff" in info]
+    assert diffs, "no rank compared generation with tp=1"
+    print(f"{name}: max |logprob(tp) - logprob(tp=1)| = {max(diffs):.3g}")
+    if name.startswith("sync"):
+        assert sum(info.get("shards_checked", 0) for _, info in mine.values()) > 0
+
+
+# --- `graphrl run` with a tensor-parallel generator -----------------------------------------------
+
+
+def test_run_with_tp2_generator_matches_the_tp1_run(tmp_path) -> None:
+    """The async AIPO example with its generator pinned to tp=2 on ranks 2-3 (the trainer on rank 0,
+    rank 1 idle): every weight version reaches the generator through DDMA into its shards, and the run
+    must sample exactly what the tp=1 example samples (same rewards) and train to the same losses.
+    Losses differ only through the behaviour log-probabilities in the AIPO ratio (tp moves them by
+    < LOGPROB_ATOL, see the module docstring), hence rel=1e-5."""
+    from click.testing import CliRunner
+
+    from graphrl.cli import main
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "aipo_async_tiny.yaml"
+    text = example.read_text()
+    for old, new in {"cluster: local-cpu-2": "cluster: local-cpu-4", 'policy: {devices: "1"}': 'policy: {devices: "0"}',
+                     'policy/generate: {devices: "0"}': 'policy/generate: {devices: "2-3", tp: 2}'}.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    job = tmp_path / "aipo_tp2.yaml"
+    job.write_text(text)
+    runner = CliRunner()
+    labels = []
+    for path, name in ((job, "tp2"), (example, "tp1")):
+        out = runner.invoke(main, ["run", str(path), "--steps", "3", "--out", str(tmp_path / name), "-q"])
+        assert out.exit_code == 0, out.output
+        labels.append(out.output.splitlines()[0])
+    assert "gen[tp2x" in labels[0] and "gen[tp1x" in labels[1], labels
+    tp2, tp1 = ([json.loads(line) for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+                for n in ("tp2", "tp1"))
+    assert [r["weight_version"] for r in tp2] == [0, 0, 1]  # a trained version was synced and used
+    assert [r["reward_mean"] for r in tp2] == [r["reward_mean"] for r in tp1]
+    assert [r["loss"] for r in tp2] == pytest.approx([r["loss"] for r in tp1], rel=1e-5)
