@@ -209,7 +209,19 @@ def _check_references(graph: JobGraph) -> None:
             except LookupError as exc:
                 raise JobError(str(exc), path=("nodes", node.name, "fn"),
                                fix="use a registered rule or a 'module:function' on PYTHONPATH") from None
-        if node.op == "dataset":
+        if node.op == "reward" and spec.rules:
+            from graphrl.rewards import ANSWER_RULES
+
+            for rule in spec.rules:
+                try:
+                    resolve_callable(rule, ANSWER_RULES, "answer reward rule")
+                except LookupError as exc:
+                    raise JobError(str(exc), path=("nodes", node.name, "rules", rule),
+                                   fix="use a registered answer rule or a 'module:function' on PYTHONPATH") from None
+            if not any(n.op == "dataset" and n.spec.file is not None for n in graph.nodes()):
+                raise JobError("answer rules compare responses with a dataset's answers, but no dataset reads a file",
+                               path=("nodes", node.name, "rules"), fix="give the dataset node a `file:`, or use `fn:`")
+        if node.op == "dataset" and spec.task is not None:
             try:
                 resolve_callable(spec.task, TASKS, "task")
             except LookupError as exc:

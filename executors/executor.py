@@ -44,12 +44,14 @@ from graphrl.schemas.program import (
     WeightSync,
     describe,
 )
-from graphrl.tasks import EOS, PAD, REWARDS, TASKS, resolve_callable
+from graphrl.datasets import prompt_source
+from graphrl.rewards import RewardRuleError, combined_reward
+from graphrl.tasks import REWARDS, resolve_callable
 
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
-from graphrl.executors.outputs import MetricsWriter, checkpoint_folders, finish_checkpoint
+from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_folders, finish_checkpoint
 from graphrl.executors.parallel import (clip_grad_norm, full_state_dict, tensor_parallel_infer, trainer_mesh_groups,
                                         wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
@@ -138,8 +140,9 @@ class RankExecutor:
         self.policy_role = gen_node.spec.model
         self.last_train_node = [n for n in self.graph.topo_order() if self.nodes[n].op == "train"][-1]
         self.group_size = gen_node.spec.samples_per_prompt
-        self.task = resolve_callable(data_node.spec.task, TASKS, "task")(**data_node.spec.options)
         self.seed = plan.job.run.seed
+        self.source = prompt_source(plan.job, data_node.spec, gen_node.spec)
+        self.samples = SamplesWriter(out_dir, plan.job.run.samples_per_step)
         self.start_step = start_step
         self.values: dict[tuple[int, str, str], Any] = {}
         self.pieces: dict[int, list[Piece]] = {}
@@ -204,9 +207,9 @@ class RankExecutor:
                 any(n.op == "reward" and n.spec.model == p.model for n in self.graph.nodes())
             module = (LlamaCritic(dims) if is_critic else Llama(dims)).to(device=self.rt.device, dtype=dtype)
             if spec.checkpoint is not None:
-                from graphrl.executors.models.llama import load_hf_checkpoint
+                from graphrl.models.checkpoints import load_state
 
-                _, state = load_hf_checkpoint(spec.checkpoint)
+                _, state = load_state(spec.checkpoint)
                 module.load_state_dict(state, strict=not is_critic)
             if p.kind == "generate" and p.tp > 1:
                 module = TensorParallelLlama.from_full(module, self._tensor_parallel_group(p))
@@ -271,6 +274,7 @@ class RankExecutor:
             finally:
                 self.spans.write(self.out_dir / "timeline")
                 self.metrics.close()
+                self.samples.close()
         self.write_ledger()
 
     def _done_before_checkpoint(self, ins: Instruction) -> bool:
@@ -338,8 +342,7 @@ class RankExecutor:
             raise self.fail(ins, f"the plan fixes weight version {ins.version} but this rank holds {role.version}")
         self.step_started.setdefault(ins.step, time.perf_counter())
         g = self.group_size
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ins.step)
-        prompt_ids, prompt_mask = self.task.sample(gen, self.data_node.spec.batch_size, self.data_node.spec.prompt_len)
+        prompt_ids, prompt_mask = self.source.prompts(ins.step)
         p_lo, p_hi = ins.start // g, ins.stop // g
         prompt_ids = prompt_ids[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
         prompt_mask = prompt_mask[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
@@ -350,12 +353,13 @@ class RankExecutor:
         module.eval()
         with torch.no_grad():
             out = generate(module, prompt_ids, prompt_mask, spec.max_new_tokens, temperature=spec.temperature,
-                           top_p=spec.top_p, uniforms=uniforms, eos_id=EOS, pad_id=PAD)
+                           top_p=spec.top_p, uniforms=uniforms, eos_id=self.source.stop_ids,
+                           pad_id=self.source.pad_id)
         module.train(was_training)
         response_ids = out.response_ids
         if response_ids.shape[1] < spec.max_new_tokens:  # every sequence stopped early: pad to R
             pad = spec.max_new_tokens - response_ids.shape[1]
-            response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=PAD)
+            response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=self.source.pad_id)
             out_mask = torch.nn.functional.pad(out.response_mask, (0, pad), value=False)
             out_lp = torch.nn.functional.pad(out.logprobs, (0, pad), value=0.0)
         else:
@@ -395,7 +399,18 @@ class RankExecutor:
     def reward(self, ins: Reward) -> None:
         r = self.read(ins, "rollouts")
         spec = self.nodes[ins.node].spec
-        if spec.fn is not None:
+        responses = self.source.decode(r["response_ids"], r["response_mask"])
+        examples = self.source.examples(ins.step)
+        answers = None if examples is None else [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)]
+        if spec.rules:
+            assert answers is not None  # typecheck: answer rules need a file dataset
+            try:
+                rewards = torch.tensor(combined_reward(spec.rules, responses, answers), dtype=torch.float32)
+            except RewardRuleError as exc:
+                prompt = self.source.decode(r["prompt_ids"][exc.index:exc.index + 1],
+                                            r["prompt_mask"][exc.index:exc.index + 1])[0]
+                raise self.fail(ins, f"{exc} of step {ins.step}, rollout {ins.start + exc.index}; prompt {prompt!r}") from exc
+        elif spec.fn is not None:
             fn = resolve_callable(spec.fn, REWARDS, "reward function")
             rewards = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"]).float()
         else:
@@ -407,6 +422,11 @@ class RankExecutor:
         if rewards.shape != (ins.stop - ins.start,):
             raise self.fail(ins, f"reward function returned shape {tuple(rewards.shape)}, expected ({ins.stop - ins.start},)")
         self.values[(ins.step, ins.node, "rewards")] = rewards
+        if ins.start == 0:  # the first responses of each step, written once whichever rank scores them
+            n = min(self.samples.per_step, ins.stop - ins.start)
+            prompts = self.source.decode(r["prompt_ids"][:n], r["prompt_mask"][:n])
+            self.samples.write(ins.step, int(r["version"].item()), prompts, responses[:n], rewards[:n].tolist(),
+                               None if answers is None else answers[:n])
         stats = self.stats.setdefault(ins.step, StepStats())
         stats.reward_sum += float(rewards.sum())
         stats.reward_count += rewards.numel()
@@ -596,7 +616,8 @@ class RankExecutor:
         save_inflight(partial, self.rank, inflight)
         self._barrier(group)
         if self.is_reporter:
-            finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight))
+            folder = finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight))
+            self._export_trained(folder, roles, weights)
         self._barrier(group)
 
     def _barrier(self, group: Any) -> None:
@@ -608,6 +629,16 @@ class RankExecutor:
         if role.placement.tp > 1 or role.wrapping in ("ddp", "fsdp2"):
             return self.rt.group("trainer")
         return None
+
+    def _export_trained(self, folder: Path, roles: dict[str, RoleState], weights: dict[str, dict[str, Tensor]]) -> None:
+        """Trained policies started from a real checkpoint also become `<role>_hf/`, a folder transformers loads."""
+        from graphrl.models import export_trained
+
+        for name, role in roles.items():
+            spec = self.job.models[role.placement.model]
+            if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
+                export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
+                               spec.checkpoint)
 
 
 def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,

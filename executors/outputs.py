@@ -52,6 +52,35 @@ class MetricsWriter:
             self._tb.close()
 
 
+class SamplesWriter:
+    """`samples.jsonl`: a few rollouts per step as text (prompt, response, reward, weight version), so a
+    person can read what the policy does. Written by the rank that scores a step's first responses."""
+
+    def __init__(self, out_dir: Path, per_step: int) -> None:
+        self.path = out_dir / "samples.jsonl"
+        self.per_step = per_step
+        self._file = None
+
+    def write(self, step: int, version: int, prompts: list[str], responses: list[str], rewards: list[float],
+              answers: list[str] | None) -> None:
+        if self.per_step == 0:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        for i, (prompt, response, reward) in enumerate(zip(prompts, responses, rewards)):
+            row = {"step": step, "index": i, "weight_version": version, "reward": reward, "prompt": prompt,
+                   "response": response}
+            if answers is not None:
+                row["answer"] = answers[i]
+            self._file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def checkpoint_folders(out_dir: Path, step: int) -> tuple[Path, Path]:
     """(partial, final) folder of the checkpoint after `step`: every rank writes into the first, and
     `finish_checkpoint` renames it to the second."""

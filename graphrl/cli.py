@@ -6,6 +6,7 @@ no traceback; `--debug` shows the traceback. Commands:
   validate JOB          check a job (YAML or Python) and print a summary
   schema                JSON Schema of the job file (for editors)
   graph JOB             the job graph as text, Graphviz DOT or JSON
+  import SRC OUT_DIR    convert a GGUF file or HF folder once into a safetensors folder with its tokenizer
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def load_any(path: str) -> LoadedJob:
     if not isinstance(spec, JobSpec):
         raise JobError("a Python job file must define build_job() returning a JobSpec (or a `job` variable)",
                        location=Location(str(p)), fix="see examples/grpo_tiny.py")
-    return LoadedJob(spec, SourceMap(str(p)), p)
+    from graphrl.loader import with_files_resolved
+
+    return with_files_resolved(LoadedJob(spec, SourceMap(str(p)), p))
 
 
 def set_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -414,8 +417,9 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         meta = json.loads((ckpt / "meta.json").read_text())
         start_step, resume_from = int(meta["next_step"]), ckpt
         click.echo(f"resuming from {ckpt} at step {start_step}", err=True)
-    elif (out_dir / "metrics.jsonl").exists():
-        (out_dir / "metrics.jsonl").unlink()
+    else:
+        for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh records
+            (out_dir / name).unlink(missing_ok=True)
     settings = None
     if profile is not None:
         from graphrl.executors.profiling import ProfileSettings
@@ -433,13 +437,15 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                      TextColumn("reward {task.fields[reward]:.3f}  {task.fields[step_s]:.2f} s/step"),
+                      TextColumn("reward {task.fields[reward]:.3f}  {task.fields[step_s]:.2f} s/step  "
+                                 "{task.fields[tok_s]:.0f} tok/s"),
                       TimeElapsedColumn(), transient=False) as bar:
-            task = bar.add_task("run", total=total, completed=start_step, reward=0.0, step_s=0.0)
+            task = bar.add_task("run", total=total, completed=start_step, reward=0.0, step_s=0.0, tok_s=0.0)
 
             def update(row: dict[str, Any]) -> None:
                 last.update(row)
-                bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"], step_s=row["step_time_s"])
+                bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"], step_s=row["step_time_s"],
+                           tok_s=row.get("tokens_per_s", 0.0))
 
             outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update,
                                    profile=settings)
@@ -495,6 +501,29 @@ def report(run_dir: Path, fmt: str, output: Path | None, width: int, warmup_step
         click.echo(f"wrote {output}", err=True)
     else:
         click.echo(out)
+
+
+@main.command(name="import")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+def import_cmd(source: Path, out_dir: Path, dtype: str) -> None:
+    """Convert a GGUF file or Hugging Face folder once into a safetensors folder with its tokenizer."""
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from graphrl.models import import_checkpoint
+
+    stages = ["reading weights", "building model", "reading tokenizer", "writing safetensors"]
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("import", total=len(stages))
+
+        def progress(stage: str) -> None:
+            bar.update(task, description=stage, completed=stages.index(stage))
+
+        folder = import_checkpoint(source, out_dir, getattr(torch, dtype), progress=progress)
+        bar.update(task, description="done", completed=len(stages))
+    click.echo(f"wrote {folder}: point a model's `checkpoint:` at it")
 
 
 if __name__ == "__main__":

@@ -329,7 +329,20 @@ def load_job_text(text: str, file: str | None = None) -> LoadedJob:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, JobSpec, data, source, JobError) from None
-    return LoadedJob(spec, source, Path(file) if file else None)
+    loaded = LoadedJob(spec, source, Path(file) if file else None)
+    return with_files_resolved(loaded)
+
+
+def with_files_resolved(loaded: LoadedJob) -> LoadedJob:
+    """Checkpoint and dataset paths made absolute from the job file's folder, and checked to exist."""
+    from graphrl.jobfiles import resolve_job_files
+
+    try:
+        return LoadedJob(resolve_job_files(loaded.spec, loaded.base_dir), loaded.source, loaded.path)
+    except GraphRLError as exc:
+        if exc.path and exc.location is None:
+            exc.location = loaded.source.locate(exc.path)
+        raise
 
 
 def load_job(path: str | Path) -> LoadedJob:

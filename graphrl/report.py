@@ -42,6 +42,9 @@ from graphrl.schemas.plan import Plan
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.msgpack"
 TIMELINE_FILE = "timeline.json"
+SAMPLES_FILE = "samples.jsonl"
+SAMPLE_STEPS_SHOWN = 3  # the first and the last steps' samples: what the policy said before and after training
+SAMPLE_TEXT_CHARS = 160
 
 # Metrics the report reads; other keys (entropy, clip_frac, ...) are kept in `data["metrics"]` as they are.
 NUMERIC_KEYS = ("reward_mean", "loss", "kl", "step_time_s", "tokens_per_s", "weight_version")
@@ -268,6 +271,32 @@ def _number(row: dict[str, Any], key: str) -> float | None:
 # The report
 
 
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    """The rollouts of the first and last steps in samples.jsonl; a damaged line is skipped (the run may
+    still be writing it)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and {"step", "prompt", "response", "reward"} <= row.keys():
+            rows.append(row)
+    steps = sorted({row["step"] for row in rows})
+    shown = set(steps[:1] + steps[-(SAMPLE_STEPS_SHOWN - 1):]) if steps else set()
+    return [row for row in rows if row["step"] in shown]
+
+
+def _clip(text: str, chars: int = SAMPLE_TEXT_CHARS, tail: bool = False) -> str:
+    """One line of at most `chars` characters; prompts keep their end (the question), responses their start."""
+    flat = " ".join(str(text).split())
+    if len(flat) <= chars:
+        return flat
+    return "..." + flat[-chars + 3:] if tail else flat[:chars - 3] + "..."
+
+
 def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
     """Read a run folder and compute every figure of the report. Raises RunError for a missing folder or a
     missing, empty or corrupted metrics.jsonl or timeline.json (naming the file and line), PlanFileError
@@ -368,6 +397,8 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
         "busy": {"source": "measured" if measured is not None else "simulated" if predicted is not None else None,
                  "ranks": busy_rows, "meshes": busy_meshes},
         "notes": notes,
+        "samples": [{**row, "prompt_short": _clip(row["prompt"], tail=True), "response_short": _clip(row["response"])}
+                    for row in read_samples(run_dir / SAMPLES_FILE)],
     }
     return Report(data)
 
@@ -499,6 +530,15 @@ def _text_parts(d: dict[str, Any]) -> list[Any]:
         for row in rows:
             first = [f"{row['mesh']} ({row['num_ranks']})"] if per_mesh else [str(row["rank"]), row["mesh"]]
             table.add_row(*first, *(fmt_pct(None if row[k] is None else 100 * row[k]) for k in sources))
+        parts.append(table)
+    if d.get("samples"):
+        table = _table("samples (first and last steps, from samples.jsonl)")
+        for col, justify in (("step", "right"), ("version", "right"), ("reward", "right"), ("prompt", "left"),
+                             ("response", "left")):
+            table.add_column(col, justify=justify, overflow="fold")
+        for row in d["samples"]:
+            table.add_row(str(row["step"]), str(row.get("weight_version", "-")), fmt_number(row["reward"]),
+                          row["prompt_short"], row["response_short"])
         parts.append(table)
     parts += [Text(f"note: {n}") for n in d["notes"]]
     return parts

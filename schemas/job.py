@@ -7,6 +7,7 @@ derived state: the graph, its types and its placement are computed by the compil
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
@@ -45,16 +46,37 @@ class _Node(Frozen):
         return inputs
 
 
+class PromptFields(Frozen):
+    """Which columns of a dataset file hold the prompt, the answer and (optionally) a system message."""
+
+    prompt: str = Field(default="prompt", description="Column with the user's prompt text.")
+    answer: str = Field(default="answer", description="Column with the reference answer the reward checks.")
+    system: str | None = Field(default=None, description="Column with a per-row system message, if any.")
+
+
 class DatasetNode(_Node):
-    """Source of prompts: a registered task (e.g. `digits-copy`) or a `module:function` factory."""
+    """Source of prompts: a registered task (e.g. `digits-copy`), a `module:function` factory, or a
+    JSON-lines / parquet file of prompts and answers tokenized by the generating model's tokenizer."""
 
     op: Literal["dataset"] = "dataset"
-    task: str = Field(description="Registered task name or 'module:function' returning a task.")
+    task: str | None = Field(default=None, description="Registered task name or 'module:function' returning a task.")
+    file: Path | None = Field(
+        default=None, description="JSON lines (.jsonl) or parquet file of prompts and answers, relative to the job file."
+    )
+    fields: PromptFields = Field(default_factory=PromptFields, description="Column mapping of `file`.")
+    chat_template: Boolean = Field(default=True, description="Render `file` prompts with the tokenizer's chat template.")
+    system_prompt: str | None = Field(default=None, description="System message for rows without their own.")
     batch_size: Integer = Field(gt=0, description="Prompts per step (global).")
     prompt_len: Integer = Field(gt=0, description="Longest prompt in tokens; prompts are left-padded to it.")
     options: dict[str, Integer | Real | str | Boolean] = Field(
         default_factory=dict, description="Task-specific options (e.g. num_digits)."
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DatasetNode":
+        if (self.task is None) == (self.file is None):
+            raise ValueError("give exactly one of 'task' (a registered task) or 'file' (JSON lines or parquet)")
+        return self
 
 
 class GenerateNode(_Node):
@@ -66,6 +88,9 @@ class GenerateNode(_Node):
     max_new_tokens: Integer = Field(gt=0, description="Longest response in tokens.")
     temperature: Real = Field(default=1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: Real = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    stop: list[str] = Field(
+        default_factory=list, description="Extra stop strings (single tokens) besides the tokenizer's end tokens."
+    )
 
 
 class LogprobNode(_Node):
@@ -88,11 +113,17 @@ class RewardNode(_Node):
     op: Literal["reward"] = "reward"
     fn: str | None = Field(default=None, description="Registered reward rule name or 'module:function'.")
     model: str | None = Field(default=None, description="Reward model (instead of a rule function).")
+    rules: dict[str, Real] = Field(
+        default_factory=dict,
+        description="Answer rules (numeric_answer, exact_match, math_equivalence, boxed_format, ... or "
+        "'module:function') and their weights; the reward is the weighted sum. Needs a file dataset.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "RewardNode":
-        if (self.fn is None) == (self.model is None):
-            raise ValueError("give exactly one of 'fn' (a rule function) or 'model' (a reward model)")
+        if (self.fn is not None) + (self.model is not None) + bool(self.rules) != 1:
+            raise ValueError("give exactly one of 'fn' (a rule function), 'rules' (answer rules with weights) "
+                             "or 'model' (a reward model)")
         return self
 
 
@@ -222,6 +253,7 @@ class RunSettings(Frozen):
     tensorboard: Boolean = Field(default=True, description="Write TensorBoard scalars.")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where ranks compute.")
     threads_per_rank: Integer = Field(default=1, gt=0, description="torch intra-op threads per rank process.")
+    samples_per_step: Integer = Field(default=4, ge=0, description="Rollouts per step written to samples.jsonl as text.")
 
 
 class JobSpec(Frozen):

@@ -12,6 +12,23 @@ from graphrl.schemas.base import Boolean, Frozen, Integer, Real
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+class RopeScaling(Frozen):
+    """Llama 3.1's RoPE frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend between (Hugging Face `rope_type: llama3`)."""
+
+    rope_type: Literal["llama3"] = Field(default="llama3", description="The scaling rule; only 'llama3'.")
+    factor: Real = Field(gt=0, description="How much the low frequencies are slowed.")
+    low_freq_factor: Real = Field(gt=0, description="Wavelengths above original_max_seq_len / this are scaled.")
+    high_freq_factor: Real = Field(gt=0, description="Wavelengths below original_max_seq_len / this are kept.")
+    original_max_seq_len: Integer = Field(gt=0, description="Context length the model was pre-trained with.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("high_freq_factor must be larger than low_freq_factor")
+        return self
+
+
 class ModelDims(Frozen):
     """Dimensions of a Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
 
@@ -25,6 +42,7 @@ class ModelDims(Frozen):
     rope_theta: Real = Field(default=500000.0, gt=0, description="RoPE base frequency.")
     norm_eps: Real = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: Boolean = Field(default=False, description="Share the input embedding and the output head.")
+    rope_scaling: RopeScaling | None = Field(default=None, description="RoPE frequency scaling (Llama 3.1+).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelDims":
@@ -81,7 +99,8 @@ class ModelSpec(Frozen):
     dtype: DType = Field(default="bfloat16", description="Dtype of the weights used for compute.")
     checkpoint: Path | None = Field(
         default=None,
-        description="A Hugging Face Llama checkpoint folder (config.json + *.safetensors); random init if unset.",
+        description="A Hugging Face Llama folder (config.json + *.safetensors) or a .gguf file, relative to the "
+        "job file; the architecture comes from it when neither 'preset' nor 'dims' is given. Random init if unset.",
     )
     init_from: str | None = Field(
         default=None,
@@ -90,8 +109,10 @@ class ModelSpec(Frozen):
 
     @model_validator(mode="after")
     def _one_architecture(self) -> "ModelSpec":
-        if (self.preset is None) == (self.dims is None):
+        if self.preset is not None and self.dims is not None:
             raise ValueError("give exactly one of 'preset' or 'dims'")
+        if self.preset is None and self.dims is None and self.checkpoint is None:
+            raise ValueError("give exactly one of 'preset' or 'dims' (or a 'checkpoint' to read them from)")
         if self.preset is not None and self.preset not in MODEL_PRESETS:
             raise ValueError(
                 f"unknown model preset {self.preset!r}; known presets: {', '.join(MODEL_PRESETS)}"
@@ -102,5 +123,9 @@ class ModelSpec(Frozen):
         """The architecture, whether it came from a preset or was given explicitly."""
         if self.dims is not None:
             return self.dims
-        assert self.preset is not None
-        return MODEL_PRESETS[self.preset]
+        if self.preset is not None:
+            return MODEL_PRESETS[self.preset]
+        assert self.checkpoint is not None
+        from graphrl.models.checkpoints import checkpoint_dims  # reads config.json or GGUF metadata once
+
+        return checkpoint_dims(self.checkpoint)

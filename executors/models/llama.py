@@ -22,14 +22,14 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphrl.errors import GraphRLError
-from graphrl.schemas.model import ModelDims
+from graphrl.schemas.model import ModelDims, RopeScaling
 
 # `enable_gqa` lets SDPA read the un-repeated K/V heads; without it (torch < 2.5) we repeat K/V,
 # which costs a copy of the whole cache per decode step.
@@ -57,14 +57,35 @@ class RMSNorm(nn.Module):
         return self.weight * x_f32.to(input_dtype)
 
 
-def rope_cos_sin(positions_bt: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
+    """Float32 RoPE frequencies [head_dim / 2], with Llama 3.1's scaling when the checkpoint has one."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    # Wavelengths longer than the pre-training context are slowed by `factor`, short ones kept, and the
+    # band between blends the two linearly in (context / wavelength).
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin(
+    positions_bt: Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: RopeScaling | None = None
+) -> tuple[Tensor, Tensor]:
     """cos, sin [B, T, head_dim] for rotate-half RoPE (HF Llama layout: frequencies repeated twice).
 
     Angles are computed in float32 whatever the model dtype: at long positions bf16 angles are wrong
     by whole radians.
     """
-    exponents = torch.arange(0, head_dim, 2, device=positions_bt.device, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions_bt.device)
     angles_btf = positions_bt.float()[..., None] * inv_freq
     angles_btd = torch.cat((angles_btf, angles_btf), dim=-1)
     return angles_btd.cos().to(dtype), angles_btd.sin().to(dtype)
@@ -235,7 +256,7 @@ class LlamaTrunk(nn.Module):
         allowed_b1ts = ((causal_ts[None] & key_valid_bs[:, None, :]) | self_ts[None])[:, None]
 
         x = self.embed_tokens(input_ids_bt)
-        cos, sin = rope_cos_sin(positions_bt, self.dims.head_dim, self.dims.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions_bt, self.dims.head_dim, self.dims.rope_theta, x.dtype, self.dims.rope_scaling)
         for layer in self.layers:
             x = layer(x, cos, sin, allowed_b1ts, kv_cache)
         if kv_cache is not None:
@@ -280,11 +301,13 @@ class Llama(nn.Module):
     def hidden_states(
         self,
         input_ids: Tensor,
-        attention_mask: Tensor,
+        attention_mask: Tensor | None = None,
         kv_cache: KVCache | None = None,
         positions: Tensor | None = None,
     ) -> Tensor:
-        """Final-norm hidden states [B, T, hidden]."""
+        """Final-norm hidden states [B, T, hidden]; no mask means every token is real."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         return self.model(input_ids, attention_mask, kv_cache, positions)
 
     def logits(self, hidden_bth: Tensor) -> Tensor:
@@ -295,11 +318,12 @@ class Llama(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        attention_mask: Tensor,
+        attention_mask: Tensor | None = None,
         kv_cache: KVCache | None = None,
         positions: Tensor | None = None,
     ) -> Tensor:
-        """logits [B, T, V] float32 for input_ids [B, T] and attention_mask [B, T] (bool, left padding allowed)."""
+        """logits [B, T, V] float32 for input_ids [B, T] and attention_mask [B, T] (bool, left padding allowed;
+        default all real)."""
         return self.logits(self.hidden_states(input_ids, attention_mask, kv_cache, positions))
 
 
@@ -443,7 +467,7 @@ def generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     uniforms: Tensor | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
 ) -> GenerationOutput:
     """Sample up to max_new_tokens per left-padded prompt [B, P] with a static KV cache.
@@ -452,7 +476,8 @@ def generate(
     `generator` (on the model's device), so a seeded generator reproduces the output; or, with
     `uniforms` [B, max_new_tokens] in [0, 1), token t of row b inverts that row's CDF at
     uniforms[b, t], so each row's sample is the same however the batch is split. After a row
-    emits `eos_id` it is padded with `pad_id` (mask False, logprob 0); the loop stops once all rows
+    emits `eos_id` (or any of several stop ids: a chat model's end-of-turn and end-of-text) it is
+    padded with `pad_id` (mask False, logprob 0); the loop stops once all rows
     have. `temperature == 0` is greedy decoding.
     """
     if temperature < 0:
@@ -470,6 +495,9 @@ def generate(
     response_mask = torch.zeros(batch_size, max_new_tokens, dtype=torch.bool, device=device)
     logprobs = torch.zeros(batch_size, max_new_tokens, dtype=torch.float32, device=device)
     done_b = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    stop_ids = None if eos_id is None else torch.tensor(
+        [eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.int64, device=device
+    )
 
     hidden = model.hidden_states(prompt_ids, prompt_mask.to(torch.bool), kv_cache=cache)
     logits_bv = model.logits(hidden[:, -1])
@@ -481,8 +509,8 @@ def generate(
         response_ids[:, step] = token_b
         response_mask[:, step] = live_b
         logprobs[:, step] = torch.where(live_b, token_logprob_b, 0.0)
-        if eos_id is not None:
-            done_b = done_b | (token_b == eos_id)
+        if stop_ids is not None:
+            done_b = done_b | torch.isin(token_b, stop_ids)
             if bool(done_b.all()):
                 break
         if step + 1 == max_new_tokens:
@@ -604,9 +632,17 @@ def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
     rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = config.get("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
+    rope_scaling = None
+    if rope_type == "llama3":
+        rope_scaling = RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_seq_len=int(scaling["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
         warnings.warn(
-            f"RoPE scaling {rope_type!r} in config.json is ignored (ModelDims has no field for it); "
+            f"RoPE scaling {rope_type!r} in config.json is ignored (only 'llama3' scaling is supported); "
             "logits will differ from Hugging Face's, mostly at long positions",
             stacklevel=2,
         )
@@ -621,12 +657,22 @@ def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
         rope_theta=rope_theta,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
     )
 
 
 def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A `config.json` that both transformers 4.x (`rope_theta`) and 5.x (`rope_parameters`) read."""
     dtype_name = str(dtype).removeprefix("torch.")
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if dims.rope_scaling is not None:
+        rope = {
+            "rope_type": "llama3",
+            "factor": dims.rope_scaling.factor,
+            "low_freq_factor": dims.rope_scaling.low_freq_factor,
+            "high_freq_factor": dims.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": dims.rope_scaling.original_max_seq_len,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -639,8 +685,8 @@ def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> 
         "head_dim": dims.head_dim,
         "max_position_embeddings": dims.max_seq_len,
         "rope_theta": dims.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {**rope, "rope_theta": dims.rope_theta},
+        "rope_scaling": rope if dims.rope_scaling is not None else None,
         "rms_norm_eps": dims.norm_eps,
         "tie_word_embeddings": dims.tie_embeddings,
         "hidden_act": "silu",

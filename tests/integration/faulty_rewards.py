@@ -31,3 +31,10 @@ def kill_rank1(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: A
 
 def zeros(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
     return torch.zeros(prompt_ids.shape[0])
+
+
+def answer_rule_raising_on_twos(response: str, answer: str) -> float:
+    """An answer rule with a bug that only some rollouts trigger."""
+    if "2" in answer:
+        raise ValueError("cannot compare this answer (injected)")
+    return 0.0

@@ -337,8 +337,8 @@ def test_dims_from_hf_config_transformers_4_and_5_layouts() -> None:
 
 
 def test_dims_from_hf_config_warns_or_refuses() -> None:
-    with pytest.warns(UserWarning, match="llama3"):
-        dims_from_hf_config(_hf_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    with pytest.warns(UserWarning, match="yarn"):
+        dims_from_hf_config(_hf_config(rope_scaling={"rope_type": "yarn", "factor": 8.0}))
     with pytest.raises(GraphRLError, match="attention_bias"):
         dims_from_hf_config(_hf_config(attention_bias=True))
     with pytest.raises(GraphRLError, match="mistral"):

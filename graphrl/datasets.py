@@ -1,0 +1,168 @@
+"""Prompts from files: JSON lines or parquet rows mapped to (prompt, answer, system), and the prompt
+source each rank draws a step's prompts from.
+
+Step s takes examples [s*B, (s+1)*B) of an endless stream that visits every row once per epoch, in an
+order shuffled per epoch from the run seed. A step's prompts are a pure function of (seed, step), so a
+resumed run continues at exactly the row it stopped at, and every rank (generator, reward) agrees on
+which answer belongs to which rollout without sending text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from graphrl.errors import GraphRLError
+from graphrl.schemas.job import DatasetNode, GenerateNode, JobSpec, PromptFields
+from graphrl.tasks import EOS, PAD, TASKS, resolve_callable
+
+if TYPE_CHECKING:  # torch loads only where prompts are drawn, never on the compile path
+    from torch import Tensor
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+    system: str | None = None
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise GraphRLError(f"dataset file {path} does not exist", fix="check `file:` (relative to the job file)")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise GraphRLError(f"dataset file {path} is neither JSON lines nor parquet",
+                           fix=f"use a file ending in one of {', '.join(SUFFIXES)}")
+    rows = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise GraphRLError(f"{path}:{line_no}: not a JSON object ({exc.msg})",
+                               fix="write one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise GraphRLError(f"{path}:{line_no}: a row must be a JSON object", fix="write one JSON object per line")
+        rows.append(row)
+    return rows
+
+
+def read_examples(path: str | Path, fields: PromptFields) -> list[Example]:
+    """Every row of a JSON-lines or parquet file as an Example; a missing field names its row."""
+    path = Path(path)
+    rows = _rows(path)
+    if not rows:
+        raise GraphRLError(f"dataset file {path} has no rows", fix="add prompts to it")
+    wanted = {"prompt": fields.prompt, "answer": fields.answer} | ({"system": fields.system} if fields.system else {})
+    examples = []
+    for index, row in enumerate(rows):
+        for role, column in wanted.items():
+            if column not in row:
+                raise GraphRLError(f"dataset file {path}, row {index + 1}: no field {column!r} (the {role} field); "
+                                   f"the row has {', '.join(map(repr, row)) or 'no fields'}",
+                                   fix=f"set fields.{role} on the dataset node to the column holding the {role}")
+        examples.append(Example(prompt=str(row[fields.prompt]), answer=str(row[fields.answer]),
+                                system=str(row[fields.system]) if fields.system else None))
+    return examples
+
+
+def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """Row indices of a step: positions [step*B, (step+1)*B) of epochs each shuffled from (seed, epoch)."""
+    import torch
+
+    out, perms = [], {}
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(position, num_rows)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_033 + epoch))
+        out.append(int(perms[epoch][offset]))
+    return out
+
+
+class PromptSource(Protocol):
+    """What the executor draws prompts from: token rows per step, how responses end, how to read them."""
+
+    stop_ids: list[int]
+    pad_id: int
+
+    def prompts(self, step: int) -> tuple[Tensor, Tensor]: ...
+
+    def examples(self, step: int) -> list[Example] | None: ...
+
+    def decode(self, ids: Tensor, mask: Tensor) -> list[str]: ...
+
+
+class TaskPrompts:
+    """A registered task (the digit tasks): prompts drawn from a generator seeded by (seed, step)."""
+
+    def __init__(self, spec: DatasetNode, seed: int) -> None:
+        assert spec.task is not None
+        self.task = resolve_callable(spec.task, TASKS, "task")(**spec.options)
+        self.spec, self.seed = spec, seed
+        self.stop_ids, self.pad_id = [EOS], PAD
+
+    def prompts(self, step: int) -> tuple[Tensor, Tensor]:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return self.task.sample(gen, self.spec.batch_size, self.spec.prompt_len)
+
+    def examples(self, step: int) -> list[Example] | None:
+        return None
+
+    def decode(self, ids: Tensor, mask: Tensor) -> list[str]:
+        return [" ".join(str(int(t)) for t in row[m]) for row, m in zip(ids.cpu(), mask.cpu().bool())]
+
+
+class FilePrompts:
+    """A JSON-lines / parquet file, rendered with the tokenizer's chat template and tokenized once."""
+
+    def __init__(self, spec: DatasetNode, gen: GenerateNode, tokenizer: Any, seed: int) -> None:
+        from graphrl.models.tokenizer import decode_responses, encode_left_padded, pad_token_id, prompt_text, stop_token_ids
+
+        assert spec.file is not None
+        self.spec, self.seed, self.tokenizer = spec, seed, tokenizer
+        self.rows = read_examples(spec.file, spec.fields)
+        texts = [prompt_text(tokenizer, ex.prompt, ex.system or spec.system_prompt, spec.chat_template)
+                 for ex in self.rows]
+        self.ids, self.mask = encode_left_padded(tokenizer, texts, spec.prompt_len)
+        self.stop_ids = stop_token_ids(tokenizer, gen.stop)
+        self.pad_id = pad_token_id(tokenizer)
+        self._decode = decode_responses
+
+    def _indices(self, step: int) -> list[int]:
+        return step_indices(len(self.rows), self.spec.batch_size, step, self.seed)
+
+    def prompts(self, step: int) -> tuple[Tensor, Tensor]:
+        import torch
+
+        index = torch.tensor(self._indices(step))
+        return self.ids[index], self.mask[index]
+
+    def examples(self, step: int) -> list[Example]:
+        return [self.rows[i] for i in self._indices(step)]
+
+    def decode(self, ids: Tensor, mask: Tensor) -> list[str]:
+        return self._decode(self.tokenizer, ids, mask)
+
+
+def prompt_source(job: JobSpec, spec: DatasetNode, gen: GenerateNode) -> PromptSource:
+    """The dataset node's prompts; a file dataset reads the generating model's checkpoint tokenizer."""
+    if spec.file is None:
+        return TaskPrompts(spec, job.run.seed)
+    from graphrl.models.tokenizer import load_tokenizer
+
+    checkpoint = job.models[gen.model].checkpoint
+    if checkpoint is None:
+        raise GraphRLError(f"dataset file {spec.file} needs a tokenizer, but model {gen.model!r} has no checkpoint",
+                           fix=f"set models.{gen.model}.checkpoint to a Hugging Face folder or GGUF file")
+    return FilePrompts(spec, gen, load_tokenizer(checkpoint), job.run.seed)
