@@ -73,8 +73,10 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path):
 def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
     """A run stopped after step 2 and resumed from its checkpoint must produce exactly the metrics of an
     uninterrupted run: prompts and samples are seeded per step, and the checkpoint holds the weights
-    and the optimizer state."""
-    job = job_file(tmp_path, "grpo_tiny.yaml", **{"  steps: 400": "  steps: 6\n  checkpoint_every: 3"})
+    and the optimizer state (here of an FSDP2 trainer: each rank's shards, through DCP)."""
+    job = job_file(tmp_path, "grpo_tiny.yaml", **{"  steps: 400": "  steps: 6\n  checkpoint_every: 3",
+                                                  "run:\n": "placement:\n  strategy: colocated\n  roles:\n"
+                                                             "    policy: {sharding: fsdp}\n\nrun:\n"})
     runner = CliRunner()
     full, part = tmp_path / "full", tmp_path / "part"
     assert runner.invoke(main, ["run", str(job), "--out", str(full), "-q"]).exit_code == 0
