@@ -85,7 +85,7 @@ def main() -> int:
         row = json.loads(line)
         if "tp2" not in row["case"]:
             continue
-        gb = row["link_bytes"] / 1e9
+        gb = row["delivered_bytes"] / 1e9  # over the link and rank-local
         ratio = row["raw_s"] / row["ddma_s"]
         verdict = "PASS" if ratio >= 0.9 and row["exact"] else "FAIL"
         ok &= verdict == "PASS"

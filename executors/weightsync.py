@@ -10,7 +10,9 @@ A bucket goes as a few messages, cut the same way on both sides from the plan al
 slice travels alone, straight from and into the shards where they are contiguous and of the wire
 dtype (no staging copy, no staging memory); runs of small slices share one packed buffer. All of a
 rank's messages of a round go out in one `batch_isend_irecv`; in a round no rank sends or receives
-more than one bucket.
+more than one bucket. Where trainer and generator share a rank, the part of the weights that stays on
+it is copied shard to shard while the first round's messages are in flight (the plan gives the two
+disjoint regions of the destination).
 
 `execute_weight_sync` runs the stored plan (what `compiler/schedule.py:_ddma` writes) on shards;
 `run_weight_sync` is the executor's entry point for whole modules: full, FSDP2-sharded (DTensor) or
@@ -65,11 +67,14 @@ def execute_weight_sync(
         if tensor.dtype != wire_dtype:
             raise RunError(f"rank {rank}: source shard {name} is {tensor.dtype}, but the wire dtype is {wire_dtype}",
                            fix="pass the senders' dtype as wire_dtype; the receiver casts")
-    with torch.no_grad():
+    def copy_local() -> None:
         for owner, _, slices in data.get("local", []):
             if owner == rank:
                 for name, region in slices:
                     _view(dst, name, region, rank, "destination").copy_(_view(src, name, region, rank, "source"))
+
+    local_pending = True
+    with torch.no_grad():
         for round_ in data["rounds"]:
             ops, unpacks = [], []
             for b_src, b_dst, _, slices in round_:
@@ -85,11 +90,16 @@ def execute_weight_sync(
                             buf = torch.empty(sum(t.numel() for t in targets), dtype=wire_dtype, device=comm_device)
                             unpacks.append((targets, buf))
                         ops.append(dist.P2POp(dist.irecv, buf, b_src))
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+            works = dist.batch_isend_irecv(ops) if ops else []
+            if local_pending:  # the rank-local copies overlap the first round's transfers
+                copy_local()
+                local_pending = False
+            for work in works:
+                work.wait()
             for targets, buf in unpacks:
                 _unpack(targets, buf.to(device))
+        if local_pending:
+            copy_local()
 
 
 def run_weight_sync(data: dict[str, Any], rank: int, src: nn.Module | None, dst: nn.Module | None, rt: Any) -> None:
