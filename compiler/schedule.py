@@ -117,20 +117,6 @@ def _mesh_of(layout: Layout, placement: RolePlacement) -> MeshRanks:
     return MeshRanks(mesh.first_device, mesh.num_devices, placement.dp, placement.fsdp, placement.tp, placement.pp)
 
 
-def cost_key(ins: Instruction) -> CostKey:
-    """The key of an instruction's predicted duration in `Programs.durations`."""
-    name = type(ins).__name__
-    if isinstance(ins, (Logprob, Value, Reward)):
-        return CostKey("Forward", ins.role) if ins.role else CostKey("Rule")
-    if isinstance(ins, (TrainStep, Generate)):
-        return CostKey(name, ins.role)
-    if isinstance(ins, WeightSync):
-        return CostKey("WeightSync", ins.transfer)
-    if isinstance(ins, ReshardInPlace):
-        return CostKey("ReshardInPlace", ins.model)
-    return CostKey(name)
-
-
 class _Streams:
     def __init__(self, num_ranks: int) -> None:
         self.streams: list[list[Instruction]] = [[] for _ in range(num_ranks)]

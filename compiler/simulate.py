@@ -22,19 +22,9 @@ from typing import Any
 
 from graphrl.errors import VerifyError
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.program import (
-    Instruction,
-    Offload,
-    Onload,
-    Programs,
-    Recv,
-    Send,
-    TrainStep,
-    describe,
-    label,
-)
+from graphrl.schemas.program import Instruction, Programs, describe, label
 
-from graphrl.compiler.schedule import cost_key
+from graphrl.compiler.semantics import BY_NAME, SEMANTICS, Costs
 
 _IGNORED_IN_KEY = {"start", "stop", "num_bytes", "peer", "tag"}
 
@@ -95,21 +85,16 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
     flows: list[tuple[int, int, float, float]] = []
     trace = timed and trace_ranks is not None
 
-    def duration(ins: Instruction) -> float:
-        if isinstance(ins, (Offload, Onload)):
-            assert hw is not None
-            return ins.num_bytes / hw.host_link_bandwidth
-        key = cost_key(ins)
-        value = durations.get(key)
-        if value is None:
-            raise VerifyError(f"no predicted duration for {key}", fix="this is a compiler bug; please report it")
-        return value
+    costs = Costs(durations, hw)
 
-    def p2p_time(ins: Send | Recv, src: int, dst: int) -> float:
+    def duration(ins: Instruction) -> float:
+        return SEMANTICS[type(ins)].duration(ins, costs)
+
+    def p2p_time(ins: Instruction, src: int, dst: int) -> float:
         assert hw is not None
         spans_nodes = src // devices_per_node != dst // devices_per_node
         bw = (hw.inter_node_bandwidth if spans_nodes else hw.intra_node_bandwidth) * hw.link_efficiency
-        return ins.num_bytes / bw + hw.link_latency_s
+        return ins.num_bytes / bw + hw.link_latency_s  # type: ignore[union-attr]
 
     def finish(ranks: list[int] | tuple[int, ...], ins: Instruction, start: float, dur: float) -> None:
         end = start + dur
@@ -119,8 +104,8 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
             pc[r] += 1
             if trace and r in trace_ranks:  # type: ignore[operator]
                 spans.append(Span(r, label(ins), type(ins).__name__, start, end))
-        if isinstance(ins, TrainStep):
-            step_done[ins.step] = max(step_done.get(ins.step, 0.0), end)
+        if SEMANTICS[type(ins)].weights == "produces":
+            step_done[ins.step] = max(step_done.get(ins.step, 0.0), end)  # type: ignore[union-attr]
 
     ready = list(range(n))
     while ready:
@@ -130,8 +115,9 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
             if rank in waiting_at:
                 break
             ins = stream[pc[rank]]
-            if isinstance(ins, (Send, Recv)):
-                tag = ins.tag
+            side = SEMANTICS[type(ins)].p2p
+            if side:
+                tag = ins.tag  # type: ignore[union-attr]
                 other = pending_p2p.get(tag)
                 if other == rank:
                     break  # already posted; still waiting for the peer
@@ -139,14 +125,13 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
                     pending_p2p[tag] = rank
                     break  # wait for the peer
                 peer_ins = streams[other][pc[other]]
-                expected = Recv if isinstance(ins, Send) else Send
-                if not isinstance(peer_ins, expected) or ins.peer != other or peer_ins.peer != rank:
+                if SEMANTICS[type(peer_ins)].p2p in ("", side) or ins.peer != other or peer_ins.peer != rank:  # type: ignore[union-attr]
                     raise VerifyError(
                         f"rank {rank} instruction {pc[rank]} ({describe(ins)}) meets rank {other} "
                         f"instruction {pc[other]} ({describe(peer_ins)}) with the same tag but they do not match",
                         fix="compiler bug: sends and receives must pair up")
                 del pending_p2p[tag]
-                src, dst = (rank, other) if isinstance(ins, Send) else (other, rank)
+                src, dst = (rank, other) if side == "send" else (other, rank)
                 if timed:
                     start = max(clock[rank], clock[other], link_out[src], link_in[dst])
                     dur = p2p_time(ins, src, dst)
@@ -203,10 +188,10 @@ def _deadlock(programs: Programs, pc: list[int], unfinished: list[int], waiting_
               pending_p2p: dict[int, int]) -> VerifyError:
     rank = unfinished[0]
     ins = programs.streams[rank][pc[rank]]
-    if isinstance(ins, (Send, Recv)):
-        peer = ins.peer
+    if SEMANTICS[type(ins)].p2p:
+        peer = ins.peer  # type: ignore[union-attr]
         peer_ins = programs.streams[peer][pc[peer]] if pc[peer] < len(programs.streams[peer]) else None
-        reason = (f"waits for rank {peer} to {'receive' if isinstance(ins, Send) else 'send'} (tag {ins.tag}), "
+        reason = (f"waits for rank {peer} to {'receive' if SEMANTICS[type(ins)].p2p == 'send' else 'send'} (tag {ins.tag}), "  # type: ignore[union-attr]
                   f"but rank {peer} is at " + (f"instruction {pc[peer]} ({describe(peer_ins)})" if peer_ins else "its end"))
     elif rank in waiting_at:
         group_name, _ = waiting_at[rank]
@@ -250,9 +235,9 @@ def write_chrome_trace(result: SimResult, path: Path, rank_names: dict[int, str]
     path.write_text(json.dumps(chrome_trace(result, rank_names)))
 
 
-_GANTT_CHARS = {"Generate": "G", "TrainStep": "T", "Logprob": "F", "Value": "F", "Reward": "R", "Advantage": "a",
-                "Send": ">", "Recv": "<", "WeightSync": "S", "ReshardInPlace": "S", "Offload": "o", "Onload": "o",
-                "Checkpoint": "C", "ReleaseWeights": "."}
+def _gantt_char(kind: str) -> str:
+    entry = BY_NAME.get(kind)
+    return entry.gantt if entry is not None else "?"
 
 
 def text_gantt(result: SimResult, ranks: list[int], width: int = 100, names: dict[int, str] | None = None) -> str:
@@ -272,7 +257,7 @@ def text_gantt(result: SimResult, ranks: list[int], width: int = 100, names: dic
                 lo, hi = max(s.start, c * dt), min(s.end, (c + 1) * dt)
                 if hi > lo:
                     occupancy[c][s.category] = occupancy[c].get(s.category, 0.0) + hi - lo
-        row = "".join(_GANTT_CHARS.get(max(o, key=o.get), "?") if o and max(o.values()) > dt * 0.2 else "."
+        row = "".join(_gantt_char(max(o, key=o.get)) if o and max(o.values()) > dt * 0.2 else "."
                       for o in occupancy)
         name = (names or {}).get(r, "")
         lines.append(f"{('rank ' + str(r) + ' ' + name)[:22]:<22} |{row}|")

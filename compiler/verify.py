@@ -15,24 +15,10 @@ from __future__ import annotations
 
 from graphrl.errors import VerifyError
 from graphrl.schemas.plan import Layout
-from graphrl.schemas.program import (
-    Generate,
-    Logprob,
-    Offload,
-    Onload,
-    Programs,
-    ReleaseWeights,
-    ReshardInPlace,
-    Reward,
-    TrainStep,
-    Value,
-    WeightSync,
-    describe,
-)
+from graphrl.schemas.program import Programs, describe
 
+from graphrl.compiler.semantics import SEMANTICS, STATE, Ledger
 from graphrl.compiler.simulate import run_programs
-
-_STATE = ("params", "grads", "optimizer")
 
 
 def _ranks_of(layout: Layout, mesh_name: str) -> range:
@@ -41,48 +27,25 @@ def _ranks_of(layout: Layout, mesh_name: str) -> range:
 
 
 def check_memory(programs: Programs, layout: Layout, usable_bytes: float) -> float:
-    """Walk each rank's program with a ledger; return the highest bytes seen on any device."""
+    """Walk each rank's program with a ledger (each instruction's effect from its semantics); return the
+    highest bytes seen on any device."""
     placements = {p.role: p for p in layout.placements}
     highest = 0.0
     for rank, stream in enumerate(programs.streams):
-        resident: dict[str, dict[str, float]] = {}
+        ledger = Ledger(placements)
         for p in layout.placements:
             if rank in _ranks_of(layout, p.mesh):
                 colocated_generator = p.kind == "generate" and layout.strategy == "colocated"
-                resident[p.role] = {} if colocated_generator else {k: getattr(p.memory_bytes, k) for k in _STATE}
-        held = sum(sum(v.values()) for v in resident.values())
+                ledger.keep(p.role, () if colocated_generator else STATE)
         for index, ins in enumerate(stream):
-            transient = 0.0
-            if isinstance(ins, Offload):
-                state = resident.get(ins.role, {})
-                held -= sum(state.pop(k, 0.0) for k in ins.state)
-            elif isinstance(ins, Onload):
-                state = resident.setdefault(ins.role, {})
-                for k in ins.state:
-                    held -= state.get(k, 0.0)
-                    state[k] = getattr(placements[ins.role].memory_bytes, k)
-                    held += state[k]
-            elif isinstance(ins, (ReshardInPlace, ReleaseWeights)):
-                role = ins.dst_role if isinstance(ins, ReshardInPlace) else ins.role
-                held -= sum(resident.get(role, {}).values())
-                resident[role] = {"params": placements[role].memory_bytes.params} if isinstance(ins, ReshardInPlace) else {}
-                held += sum(resident[role].values())
-            elif isinstance(ins, (Generate, Logprob, Value, Reward, TrainStep)) and ins.role:
-                m = placements[ins.role].memory_bytes
-                state = resident.get(ins.role, {})
-                needed = _STATE if isinstance(ins, TrainStep) else ("params",)
-                missing = [k for k in needed if getattr(m, k) > 0 and k not in state]
-                if missing:
-                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): {ins.role}'s "
-                                      f"{', '.join(missing)} are not on the device (offloaded and never onloaded)")
-                transient = m.activations + m.kv_cache
-            total = held + transient
+            ledger.where = f"rank {rank} instruction {index} ({describe(ins)})"
+            transient = SEMANTICS[type(ins)].memory(ins, ledger)  # applies the effect to the ledger first
+            total = ledger.held + transient
             if total > highest:
                 highest = total
             if total > usable_bytes * (1 + 1e-9):
-                raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): device memory "
-                                  f"{total / 1e9:.2f} GB exceeds the usable {usable_bytes / 1e9:.2f} GB",
-                                  fix="offload idle state, shard further, or use more devices")
+                raise VerifyError(f"{ledger.where}: device memory {total / 1e9:.2f} GB exceeds the usable "
+                                  f"{usable_bytes / 1e9:.2f} GB", fix="offload idle state, shard further, or use more devices")
     return highest
 
 
@@ -90,23 +53,25 @@ def check_staleness(programs: Programs, mode: str, max_staleness: int) -> None:
     produced: set[int] = {0}
     for stream in programs.streams:
         for ins in stream:
-            if isinstance(ins, TrainStep):
-                produced.add(ins.version)
+            if SEMANTICS[type(ins)].weights == "produces":
+                produced.add(ins.version)  # type: ignore[union-attr]
     for rank, stream in enumerate(programs.streams):
         held: int | None = None
         for index, ins in enumerate(stream):
-            if isinstance(ins, (WeightSync, ReshardInPlace)):
-                if ins.version not in produced:
-                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): version {ins.version} "
+            weights = SEMANTICS[type(ins)].weights
+            if weights == "sets":
+                if ins.version not in produced:  # type: ignore[union-attr]
+                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): version {ins.version} "  # type: ignore[union-attr]
                                       "is never produced by a train step")
-                held = ins.version
-            elif isinstance(ins, Generate):
-                if held != ins.version:
+                held = ins.version  # type: ignore[union-attr]
+            elif weights == "uses":
+                version, step = ins.version, ins.step  # type: ignore[union-attr]
+                if held != version:
                     raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): generates with version "
-                                      f"{ins.version} but holds {held}", fix="compiler bug: a weight sync is missing")
-                lowest = ins.step if mode == "sync" else ins.step - max_staleness
-                if ins.version < lowest or ins.version > ins.step:
-                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): version {ins.version} "
+                                      f"{version} but holds {held}", fix="compiler bug: a weight sync is missing")
+                lowest = step if mode == "sync" else step - max_staleness
+                if version < lowest or version > step:
+                    raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): version {version} "
                                       f"breaks the staleness bound ({mode}, max_staleness {max_staleness})")
 
 
@@ -131,9 +96,10 @@ def check_body_memory_balance(programs: Programs) -> None:
     for rank, program in enumerate(programs.ranks):
         net: dict[tuple[str, str], int] = {}
         for ins in program.body:
-            if isinstance(ins, (Offload, Onload)):
-                for k in ins.state:
-                    net[(ins.role, k)] = net.get((ins.role, k), 0) + (1 if isinstance(ins, Onload) else -1)
+            moves = SEMANTICS[type(ins)].moves
+            if moves:
+                for k in ins.state:  # type: ignore[union-attr]
+                    net[(ins.role, k)] = net.get((ins.role, k), 0) + moves  # type: ignore[union-attr]
         unbalanced = sorted(f"{role}.{k}" for (role, k), n in net.items() if n != 0)
         if unbalanced:
             raise VerifyError(f"rank {rank}: one loop iteration changes what is on the device "

@@ -48,6 +48,7 @@ from graphrl.datasets import prompt_source
 from graphrl.rewards import RewardRuleError, combined_reward
 from graphrl.tasks import REWARDS, resolve_callable
 
+from graphrl.compiler.semantics import SEMANTICS
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
@@ -154,12 +155,7 @@ class RankExecutor:
         self._build_roles(resume_state)
         self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
         self.dispatch: dict[type, Callable[[Any], None]] = {
-            Generate: self.generate, Logprob: self.logprob, Value: self.value, Reward: self.reward,
-            Advantage: self.advantage, TrainStep: self.train_step, Send: self.send, Recv: self.recv,
-            Offload: self.offload, Onload: self.onload, WeightSync: self.weight_sync,
-            ReshardInPlace: self.reshard_in_place, ReleaseWeights: self.release_weights,
-            Checkpoint: self.checkpoint,
-        }
+            kind: getattr(self, entry.handler) for kind, entry in SEMANTICS.items()}
         self.index = 0
         self.spans = SpanRecorder(self.rank)
         self.profiler = RankProfiler(self.rank, profile, runtime.device)
@@ -284,9 +280,10 @@ class RankExecutor:
         step = getattr(ins, "step", None)
         if step is not None and step < self.start_step:
             return True
-        if isinstance(ins, (WeightSync, ReshardInPlace)):
-            return ins.version < self.start_step
-        return isinstance(ins, (Generate, Send, Recv)) and ins.step in self.restored_steps
+        entry = SEMANTICS[type(ins)]
+        if entry.weights == "sets":
+            return ins.version < self.start_step  # type: ignore[union-attr]
+        return entry.rollout and step in self.restored_steps
 
     def write_ledger(self) -> None:
         """This rank's device bytes of weights, gradients and optimizer state, beside the plan's accounting.

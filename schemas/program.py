@@ -369,7 +369,7 @@ class Programs:
     ranks: list[RankProgram]
     groups: dict[str, tuple[int, ...]]
     weight_syncs: dict[str, Any]  # transfer id -> WeightSyncPlan summary (json-able)
-    durations: dict[CostKey, float]  # predicted seconds (see graphrl.compiler.schedule.cost_key)
+    durations: dict[CostKey, float]  # predicted seconds (read through graphrl.compiler.semantics)
     checkpoint_every: int = 0
 
     @classmethod
