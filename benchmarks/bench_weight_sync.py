@@ -32,6 +32,7 @@ from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.compiler.schedule import MeshRanks
 from graphrl.executors.weightsync import execute_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
+from graphrl.schemas.weightsync import MeshSide, WeightSyncRecord
 from graphrl.schemas.model import ModelDims
 
 MIB = 1 << 20
@@ -51,13 +52,13 @@ def model_dims(layers: int) -> ModelDims:
                      num_heads=16, num_kv_heads=4)
 
 
-def stored_plan(dims: ModelDims, src: MeshRanks, dst: MeshRanks, bucket_bytes: int) -> dict[str, Any]:
+def stored_plan(dims: ModelDims, src: MeshRanks, dst: MeshRanks, bucket_bytes: int) -> WeightSyncRecord:
     data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16", bucket_bytes)
-    return json.loads(json.dumps(data))
+    return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 
-def mesh_of(side: dict[str, Any]) -> Mesh:
-    return Mesh.contiguous(list(side["axes"].items()), side["first"])
+def mesh_of(side: MeshSide) -> Mesh:
+    return Mesh.contiguous(list(side.axes.items()), side.first)
 
 
 def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
@@ -76,10 +77,10 @@ def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
     return best
 
 
-def bench_case(rank: int, dims: ModelDims, data: dict[str, Any], dtype: torch.dtype, repeat: int) -> dict[str, Any]:
+def bench_case(rank: int, dims: ModelDims, data: WeightSyncRecord, dtype: torch.dtype, repeat: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     full = {p.name: torch.randn(p.shape, generator=gen).to(dtype) for p in llama_params(dims)}
-    src_mesh, dst_mesh = mesh_of(data["src"]), mesh_of(data["dst"])
+    src_mesh, dst_mesh = mesh_of(data.src), mesh_of(data.dst)
 
     def shards(mesh: Mesh, copy: bool) -> dict[str, tuple[torch.Tensor, Any]]:
         if rank not in mesh:
@@ -95,13 +96,13 @@ def bench_case(rank: int, dims: ModelDims, data: dict[str, Any], dtype: torch.dt
 
     # Raw: the same elements per (sender, receiver) pair, one flat tensor each.
     per_pair: dict[tuple[int, int], int] = {}
-    for round_ in data["rounds"]:
+    for round_ in data.rounds:
         for b_src, b_dst, _, slices in round_:
             n = sum(_numel(region) for _, region in slices)
             per_pair[(b_src, b_dst)] = per_pair.get((b_src, b_dst), 0) + n
     out_bufs = {d: torch.randn(n).to(dtype) for (s, d), n in per_pair.items() if s == rank}
     in_bufs = {s: torch.empty(n, dtype=dtype) for (s, d), n in per_pair.items() if d == rank}
-    local = sum(_numel(region) for owner, _, slices in data.get("local", []) if owner == rank
+    local = sum(_numel(region) for owner, _, slices in data.local if owner == rank
                 for _, region in slices)
     local_src, local_dst = torch.randn(local).to(dtype), torch.empty(local, dtype=dtype)
 
@@ -128,8 +129,8 @@ def bench_case(rank: int, dims: ModelDims, data: dict[str, Any], dtype: torch.dt
     ok_all = torch.tensor([int(ok)])
     dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
     link_bytes = sum(per_pair.values()) * torch.empty(0, dtype=dtype).element_size()
-    return {"link_bytes": link_bytes, "delivered_bytes": link_bytes + data["summary"]["local_bytes"], "ddma_s": ddma_s, "raw_s": raw_s, "rounds": len(data["rounds"]),
-            "buckets": data["summary"]["num_buckets"], "local_bytes": data["summary"]["local_bytes"],
+    return {"link_bytes": link_bytes, "delivered_bytes": link_bytes + data.summary.local_bytes, "ddma_s": ddma_s, "raw_s": raw_s, "rounds": len(data.rounds),
+            "buckets": data.summary.num_buckets, "local_bytes": data.summary.local_bytes,
             "exact": bool(ok_all.item())}
 
 
@@ -140,7 +141,7 @@ def _numel(region: list[list[int]]) -> int:
     return n
 
 
-def rank_main(rank: int, port: int, args: argparse.Namespace, plans: list[tuple[str, dict]], out: Any) -> None:
+def rank_main(rank: int, port: int, args: argparse.Namespace, plans: list[tuple[str, WeightSyncRecord]], out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))

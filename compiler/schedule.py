@@ -54,6 +54,8 @@ from graphrl.schemas.program import (
     shift,
 )
 
+from graphrl.schemas.weightsync import Bucket, LocalCopy, MeshSide, Slice, WeightSyncRecord, WeightSyncSummary
+
 from graphrl.compiler import cost
 from graphrl.compiler.ddma import plan_summary, plan_weight_sync
 from graphrl.compiler.layout import Mesh, llama_param_layout, llama_params
@@ -289,7 +291,7 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
     durations = dict(role_times(problem, ev.train))
     durations.update({CostKey("Rule"): problem.hw.op_overhead_s, CostKey("Advantage"): problem.hw.op_overhead_s,
                       CostKey("Checkpoint"): problem.hw.op_overhead_s, CostKey("ReleaseWeights"): 0.0})
-    weight_syncs: dict[str, dict] = {}
+    weight_syncs: dict[str, WeightSyncRecord] = {}
     if gen is not None and ev.gen is not None:
         free = problem.usable
         if layout.strategy == "colocated":
@@ -372,12 +374,11 @@ def _checkpoint(step: int, steps: int, every: int, out: _Streams, group: str = "
 
 @functools.lru_cache(maxsize=16)
 def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: MeshRanks, gen: MeshRanks,
-          precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[dict, float]:
-    """Plan the trainer -> generator weight copy; return (stored plan data, predicted seconds).
+          precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
+    """Plan the trainer -> generator weight copy; return (the record the plan stores, predicted seconds).
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
-    schedules one layout both sync and async; a 405B plan takes seconds to plan. Callers never mutate
-    the returned data."""
+    schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
     src = Mesh.contiguous([("dp", train.dp), ("fsdp", train.fsdp), ("tp", train.tp), ("pp", train.pp)], train.first)
     dst = Mesh.contiguous([("dp", gen.dp), ("tp", gen.tp)], gen.first)
     plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_param_layout, dst_mesh=dst,
@@ -386,19 +387,19 @@ def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: M
     spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
     bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency
     seconds = sum(r.max_bucket_bytes / bw + hw.link_latency_s for r in plan.rounds)
-    data: dict = {
-        "model": model,
-        "src": {"first": train.first, "axes": {"dp": train.dp, "fsdp": train.fsdp, "tp": train.tp, "pp": train.pp}},
-        "dst": {"first": gen.first, "axes": {"dp": gen.dp, "tp": gen.tp}},
-        "src_bytes_per_elem": plan.src_bytes_per_elem, "dst_bytes_per_elem": plan.dst_bytes_per_elem,
-        "bucket_bytes": bucket_bytes, "summary": plan_summary(plan), "predicted_s": seconds,
-    }
-    if plan.num_buckets <= MAX_STORED_BUCKETS:
-        data["rounds"] = [
-            [[b.src, b.dst, b.num_bytes, [[s.param, [list(x) for x in s.src_region]] for s in b.slices]]
-             for b in r.buckets]
-            for r in plan.rounds
-        ]
-        data["local"] = [[b.src, b.num_bytes, [[s.param, [list(x) for x in s.src_region]] for s in b.slices]]
-                         for b in plan.local_copies]
-    return data, seconds
+    stored = plan.num_buckets <= MAX_STORED_BUCKETS
+
+    def slices(bucket) -> tuple[Slice, ...]:  # noqa: ANN001
+        return tuple(Slice(s.param, tuple(tuple(x) for x in s.src_region)) for s in bucket.slices)
+
+    record = WeightSyncRecord(
+        model=model,
+        src=MeshSide(first=train.first, axes={"dp": train.dp, "fsdp": train.fsdp, "tp": train.tp, "pp": train.pp}),
+        dst=MeshSide(first=gen.first, axes={"dp": gen.dp, "tp": gen.tp}),
+        src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
+        bucket_bytes=bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=seconds,
+        rounds=[[Bucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets] for r in plan.rounds]
+        if stored else None,
+        local=[LocalCopy(b.src, b.num_bytes, slices(b)) for b in plan.local_copies] if stored else [],
+    )
+    return record, seconds

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from graphrl.errors import RunError
+from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.executors.tensor_parallel import TensorParallelLlama
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dim, in full-tensor coordinates
@@ -41,7 +42,7 @@ DIRECT_MIN_ELEMS = 1 << 16
 
 
 def execute_weight_sync(
-    data: dict[str, Any],
+    data: WeightSyncRecord,
     rank: int,
     src_shards: ShardMap,
     dst_shards: ShardMap,
@@ -50,15 +51,15 @@ def execute_weight_sync(
     *,
     wire_dtype: torch.dtype,
 ) -> None:
-    """This rank's part of every round of one stored weight-sync plan (sender, receiver, or both).
+    """This rank's part of every round of one stored weight sync (sender, receiver, or both).
 
     `src_shards` are the trainer shards this rank holds, `dst_shards` the generator shards it fills
     (either may be empty). `wire_dtype` is the senders' dtype, what crosses the link; every rank of
     the sync must pass the same one (a receiver cannot infer it). Buffers live on `comm_device`;
     received bytes are unpacked on `device`.
     """
-    if "rounds" not in data:
-        raise RunError(f"the weight sync of {data.get('model')} has {data['summary']['num_buckets']} buckets; its "
+    if data.rounds is None:
+        raise RunError(f"the weight sync of {data.model} has {data.summary.num_buckets} buckets; its "
                        "rounds are not stored in the plan and this executor does not replan them",
                        fix="run this plan size on a cluster build, or compile a smaller job")
     src = _checked(src_shards, "source", rank)
@@ -68,14 +69,14 @@ def execute_weight_sync(
             raise RunError(f"rank {rank}: source shard {name} is {tensor.dtype}, but the wire dtype is {wire_dtype}",
                            fix="pass the senders' dtype as wire_dtype; the receiver casts")
     def copy_local() -> None:
-        for owner, _, slices in data.get("local", []):
+        for owner, _, slices in data.local:
             if owner == rank:
                 for name, region in slices:
                     _view(dst, name, region, rank, "destination").copy_(_view(src, name, region, rank, "source"))
 
     local_pending = True
     with torch.no_grad():
-        for round_ in data["rounds"]:
+        for round_ in data.rounds:
             ops, unpacks = [], []
             for b_src, b_dst, _, slices in round_:
                 if b_src == rank:
@@ -102,7 +103,7 @@ def execute_weight_sync(
             copy_local()
 
 
-def run_weight_sync(data: dict[str, Any], rank: int, src: nn.Module | None, dst: nn.Module | None, rt: Any) -> None:
+def run_weight_sync(data: WeightSyncRecord, rank: int, src: nn.Module | None, dst: nn.Module | None, rt: Any) -> None:
     """`execute_weight_sync` for whole modules, each side's shards as `module_shards` finds them (`rt`
     gives `comm_device` and `device`). The trainer and generator copies of a model share its dtype,
     so a pure receiver takes its own as the wire dtype. A tensor-parallel generator whose KV heads are

@@ -8,19 +8,32 @@ loading validates through these models and never unpickles.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PlainSerializer, PlainValidator
 
 from graphrl.schemas.base import Frozen
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import JobSpec, Precision, Sharding
+from graphrl.schemas.program import Programs
 
 # 2: programs are periodic (prologue, one-step body, epilogue per rank); 1 unrolled every step.
 PLAN_FORMAT_VERSION = 2
 
 RoleKind = Literal["train", "generate", "infer"]
+
+
+def _programs(value: Any) -> Programs:
+    if isinstance(value, Programs):
+        return value
+    if isinstance(value, dict):
+        return Programs.from_data(value)
+    raise ValueError(f"programs must be Programs or their data form, not {type(value).__name__}")
+
+
+TypedPrograms = Annotated[Programs, PlainValidator(_programs), PlainSerializer(Programs.to_data, when_used="json")]
+"""Per-rank programs in a Plan: the `Programs` record in memory, its checked data form in a plan file."""
 
 
 class MeshSpec(Frozen):
@@ -140,7 +153,7 @@ class Plan(Frozen):
     baseline: Layout | None = Field(default=None, description="The colocated-synchronous baseline layout.")
     candidates_considered: int = Field(ge=0, description="Number of layouts evaluated by the search.")
     candidates: list[CandidateSummary] = Field(default_factory=list, description="Best and rejected candidates.")
-    programs: Any | None = Field(default=None, description="Per-rank programs, once scheduled.")
+    programs: TypedPrograms | None = Field(default=None, description="Per-rank periodic programs, once scheduled.")
 
     def preview_dict(self) -> dict[str, Any]:
         """The documented JSON preview (`graphrl compile --plan --format json`)."""

@@ -21,6 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, NamedTuple, Union
 
+from pydantic import ValidationError
+
+from graphrl.schemas.weightsync import WeightSyncRecord
+
 
 @dataclass(frozen=True, slots=True)
 class Generate:
@@ -368,13 +372,13 @@ class Programs:
     steps: int
     ranks: list[RankProgram]
     groups: dict[str, tuple[int, ...]]
-    weight_syncs: dict[str, Any]  # transfer id -> WeightSyncPlan summary (json-able)
+    weight_syncs: dict[str, WeightSyncRecord]  # transfer id -> the DDMA rounds
     durations: dict[CostKey, float]  # predicted seconds (read through graphrl.compiler.semantics)
     checkpoint_every: int = 0
 
     @classmethod
     def unrolled(cls, steps: int, streams: list[list[Instruction]], groups: dict[str, tuple[int, ...]],
-                 weight_syncs: dict[str, Any], durations: dict[CostKey, float], checkpoint_every: int = 0) -> "Programs":
+                 weight_syncs: dict[str, WeightSyncRecord], durations: dict[CostKey, float], checkpoint_every: int = 0) -> "Programs":
         """A transcript: every rank's whole run in its prologue (short runs, references and tests)."""
         return cls(steps, [RankProgram(list(s), [], []) for s in streams], groups, weight_syncs, durations,
                    checkpoint_every)
@@ -416,7 +420,7 @@ class Programs:
                        "prologue": [encode(i) for i in r.prologue], "body": [encode(i) for i in r.body],
                        "epilogue": [encode(i) for i in r.epilogue]} for r in self.ranks],
             "groups": {k: list(v) for k, v in self.groups.items()},
-            "weight_syncs": self.weight_syncs,
+            "weight_syncs": {k: v.model_dump(mode="json") for k, v in self.weight_syncs.items()},
             "durations": {str(k): v for k, v in self.durations.items()},
         }
 
@@ -436,7 +440,17 @@ class Programs:
             steps=steps,
             ranks=ranks,
             groups={k: tuple(int(r) for r in v) for k, v in data["groups"].items()},
-            weight_syncs=dict(data["weight_syncs"]),
+            weight_syncs={k: _weight_sync(k, v) for k, v in data["weight_syncs"].items()},
             durations={CostKey.parse(k): float(v) for k, v in data["durations"].items()},
             checkpoint_every=int(data["checkpoint_every"]),
         )
+
+
+def _weight_sync(transfer: str, data: Any) -> WeightSyncRecord:
+    """A stored weight sync, or a one-line error naming the transfer and the field."""
+    try:
+        return WeightSyncRecord.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise ValueError(f"weight sync {transfer!r}: {first['msg']} at {where}") from None

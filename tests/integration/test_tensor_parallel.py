@@ -43,6 +43,7 @@ from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
+from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.schemas.model import ModelDims
 
 WORLD = 4
@@ -109,9 +110,9 @@ def check_shards(model: TensorParallelLlama, full: dict[str, torch.Tensor]) -> i
     return len(model.shards())
 
 
-def stored_plan(src: MeshRanks, dst: MeshRanks, dims: ModelDims) -> dict[str, Any]:
+def stored_plan(src: MeshRanks, dst: MeshRanks, dims: ModelDims) -> WeightSyncRecord:
     data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
-    return json.loads(json.dumps(data))
+    return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 
 def trainer(first: int, fsdp: int = 1) -> MeshRanks:
@@ -140,7 +141,7 @@ def case_tp4_generation_replicated_kv(rank: int, groups: dict[str, Any]) -> dict
     return compare_with_tp1(model, full, tp)
 
 
-def _sync_and_check(rank: int, data: dict[str, Any], src: torch.nn.Module | None, tp: TensorParallelGroup | None,
+def _sync_and_check(rank: int, data: WeightSyncRecord, src: torch.nn.Module | None, tp: TensorParallelGroup | None,
                     dims: ModelDims) -> dict[str, float]:
     dst = TensorParallelLlama(dims, tp, device="cpu", dtype=torch.float32) if tp is not None else None
     cpu = torch.device("cpu")

@@ -10,7 +10,6 @@ size run all their cases in one process group, so there is one spawn per world s
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import queue as queue_mod
@@ -34,6 +33,7 @@ from graphrl.errors import RunError
 from graphrl.executors.models.llama import Llama
 from graphrl.executors.weightsync import DIRECT_MIN_ELEMS, execute_weight_sync, run_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
+from graphrl.schemas.weightsync import MeshSide, WeightSyncRecord
 from graphrl.schemas.model import ModelDims
 
 pytestmark = pytest.mark.slow
@@ -92,16 +92,16 @@ CASES = [
 ]
 
 
-def stored_plan(case: Case) -> dict[str, Any]:
-    """The plan exactly as a compiled job stores it: `schedule._ddma`'s dict, through JSON."""
+def stored_plan(case: Case) -> WeightSyncRecord:
+    """The record exactly as a compiled job stores it: `schedule._ddma`'s, through its JSON form."""
     data, _ = schedule._ddma(case.dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, case.src, case.dst, "bf16",
                              case.bucket_bytes)
-    return json.loads(json.dumps(data))
+    return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 
-def stored_mesh(side: dict[str, Any]) -> Mesh:
+def stored_mesh(side: MeshSide) -> Mesh:
     """A mesh from the plan's own description of it (axes in the order `_ddma` built it)."""
-    return Mesh.contiguous(list(side["axes"].items()), side["first"])
+    return Mesh.contiguous(list(side.axes.items()), side.first)
 
 
 def full_tensors(dims: ModelDims) -> dict[str, torch.Tensor]:
@@ -126,10 +126,10 @@ def shards(dims: ModelDims, full: dict[str, torch.Tensor], mesh: Mesh, rank: int
 # --- what each rank runs ----------------------------------------------------------------------
 
 
-def run_shard_case(rank: int, case: Case, data: dict[str, Any]) -> int:
+def run_shard_case(rank: int, case: Case, data: WeightSyncRecord) -> int:
     full = full_tensors(case.dims)
-    src = shards(case.dims, full, stored_mesh(data["src"]), rank, None)
-    dst = shards(case.dims, full, stored_mesh(data["dst"]), rank, case.dst_dtype)
+    src = shards(case.dims, full, stored_mesh(data.src), rank, None)
+    dst = shards(case.dims, full, stored_mesh(data.dst), rank, case.dst_dtype)
     cpu = torch.device("cpu")
     execute_weight_sync(data, rank, src, dst, cpu, cpu, wire_dtype=torch.float32)
     bad = [f"{name}{list(region)}" for name, (got, region) in dst.items()
@@ -139,12 +139,12 @@ def run_shard_case(rank: int, case: Case, data: dict[str, Any]) -> int:
     return len(dst)
 
 
-def run_module_case(rank: int, case: Case, data: dict[str, Any]) -> int:
+def run_module_case(rank: int, case: Case, data: WeightSyncRecord) -> int:
     torch.manual_seed(SEED)
     reference = Llama(case.dims)
-    src = reference if rank in stored_mesh(data["src"]) else None
+    src = reference if rank in stored_mesh(data.src) else None
     dst = None
-    if rank in stored_mesh(data["dst"]):
+    if rank in stored_mesh(data.dst):
         dst = Llama(case.dims)
         with torch.no_grad():
             for p in dst.parameters():
@@ -232,8 +232,8 @@ def world_reports():
     return get
 
 
-def expected_checks(case: Case, data: dict[str, Any]) -> int:
-    mesh = stored_mesh(data["dst"])
+def expected_checks(case: Case, data: WeightSyncRecord) -> int:
+    mesh = stored_mesh(data.dst)
     params = llama_params(case.dims)
     if case.module:
         return mesh.num_ranks * len(params)
@@ -243,10 +243,10 @@ def expected_checks(case: Case, data: dict[str, Any]) -> int:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_destination_shards_equal_the_full_tensors_bit_for_bit(case: Case, world_reports) -> None:
     data = stored_plan(case)
-    assert bool(data["local"]) == case.has_local  # the case covers the paths it names
-    slices = [region for round_ in data["rounds"] for *_, pieces in round_ for _, region in pieces]
+    assert bool(data.local) == case.has_local  # the case covers the paths it names
+    slices = [region for round_ in data.rounds for *_, pieces in round_ for _, region in pieces]
     assert any(math.prod(b - a for a, b in r) >= DIRECT_MIN_ELEMS for r in slices) == case.has_direct
-    assert data["rounds"], "a case with nothing on the wire tests nothing"
+    assert data.rounds, "a case with nothing on the wire tests nothing"
     reports = world_reports(case.world)
     mine = reports.get(case.name, {})
     problems = [f"rank {r}: {err}" for r, (err, _) in sorted(mine.items()) if err]
@@ -262,7 +262,7 @@ def test_small_buckets_make_several_rounds() -> None:
     """The small-bucket cases must really cut slices over several rounds, or they cover nothing more."""
     for case in CASES:
         if case.bucket_bytes < 1 << 20:
-            assert len(stored_plan(case)["rounds"]) > 5, case.name
+            assert len(stored_plan(case).rounds) > 5, case.name
 
 
 # --- refusals, on one process: they happen before anything is sent -------------------------------
@@ -273,7 +273,7 @@ def test_a_shard_that_misses_the_planned_region_is_refused() -> None:
     case = CASES[0]
     data = stored_plan(case)
     full = full_tensors(DIMS)
-    src = shards(DIMS, full, stored_mesh(data["src"]), 0, None)
+    src = shards(DIMS, full, stored_mesh(data.src), 0, None)
     name = "model.layers.0.mlp.up_proj.weight"
     tensor, ((a, b), cols) = src[name]
     src[name] = (tensor[: (b - a) // 2], ((a, a + (b - a) // 2), cols))
@@ -285,7 +285,7 @@ def test_a_shard_that_misses_the_planned_region_is_refused() -> None:
 def test_a_source_shard_of_another_dtype_than_the_wire_is_refused() -> None:
     case = CASES[0]
     data = stored_plan(case)
-    src = shards(DIMS, full_tensors(DIMS), stored_mesh(data["src"]), 0, None)
+    src = shards(DIMS, full_tensors(DIMS), stored_mesh(data.src), 0, None)
     src = {k: (t.to(torch.bfloat16), r) for k, (t, r) in src.items()}
     cpu = torch.device("cpu")
     with pytest.raises(RunError, match="wire dtype"):

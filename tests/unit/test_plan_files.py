@@ -36,3 +36,32 @@ def test_bad_plan_files(payload, words):
     with pytest.raises(PlanFileError) as info:
         plan_from_bytes(payload, "x.msgpack")
     assert words in str(info.value)
+
+
+def _disaggregated_plan_data():
+    job = load_job(EXAMPLES / "aipo_async_tiny.yaml")
+    plan = compile_job(job, job_cluster(job, None))
+    return plan, msgpack.unpackb(plan_to_bytes(plan), raw=False)
+
+
+def test_weight_syncs_are_typed_records_that_survive_the_file():
+    plan, _ = _disaggregated_plan_data()
+    (record,) = plan.programs.weight_syncs.values()
+    assert record.rounds and all(b.src != b.dst for r in record.rounds for b in r)
+    first = record.rounds[0][0]
+    assert isinstance(first.slices[0].param, str) and isinstance(first.slices[0].region[0][0], int)
+    assert plan_from_bytes(plan_to_bytes(plan)).programs.weight_syncs == plan.programs.weight_syncs
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda ws: ws["rounds"][0][0].__setitem__(0, "rank zero"), "rounds"),  # a bucket's sender is not a rank
+    (lambda ws: ws["summary"].pop("num_buckets"), "num_buckets"),
+    (lambda ws: ws.__setitem__("bucket_bytes", 0), "bucket_bytes"),
+])
+def test_an_edited_weight_sync_record_is_refused_naming_the_field(edit, words):
+    _, data = _disaggregated_plan_data()
+    (ws,) = data["programs"]["weight_syncs"].values()
+    edit(ws)
+    with pytest.raises(PlanFileError, match="corrupted programs") as info:
+        plan_from_bytes(msgpack.packb(data, use_bin_type=True), "x.msgpack")
+    assert words in str(info.value)
