@@ -29,10 +29,9 @@ import torch.multiprocessing as mp
 
 from graphrl.compiler import schedule
 from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
-from graphrl.compiler.schedule import MeshRanks
 from graphrl.executors.weightsync import execute_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
-from graphrl.schemas.weightsync import MeshSide, WeightSyncRecord
+from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.schemas.model import ModelDims
 
 MIB = 1 << 20
@@ -40,9 +39,9 @@ CPU = torch.device("cpu")
 
 # (label, trainer mesh, generator mesh, bucket limit)
 CASES = [
-    ("fsdp1@0 -> tp1@1, 256 MiB buckets", MeshRanks(0, 1, 1, 1, 1, 1), MeshRanks(1, 1, 1, 1, 1, 1), 256 * MIB),
-    ("fsdp1@0 -> tp1@1, 16 MiB buckets", MeshRanks(0, 1, 1, 1, 1, 1), MeshRanks(1, 1, 1, 1, 1, 1), 16 * MIB),
-    ("fsdp2@0-1 -> tp2@0-1 (shared ranks)", MeshRanks(0, 2, 1, 2, 1, 1), MeshRanks(0, 2, 1, 1, 2, 1), 256 * MIB),
+    ("fsdp1@0 -> tp1@1, 256 MiB buckets", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 1), 256 * MIB),
+    ("fsdp1@0 -> tp1@1, 16 MiB buckets", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 1), 16 * MIB),
+    ("fsdp2@0-1 -> tp2@0-1 (shared ranks)", Mesh.contiguous([("dp", 1), ("fsdp", 2), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 0), 256 * MIB),
 ]
 
 
@@ -52,13 +51,9 @@ def model_dims(layers: int) -> ModelDims:
                      num_heads=16, num_kv_heads=4)
 
 
-def stored_plan(dims: ModelDims, src: MeshRanks, dst: MeshRanks, bucket_bytes: int) -> WeightSyncRecord:
+def stored_plan(dims: ModelDims, src: Mesh, dst: Mesh, bucket_bytes: int) -> WeightSyncRecord:
     data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16", bucket_bytes)
     return WeightSyncRecord.model_validate_json(data.model_dump_json())
-
-
-def mesh_of(side: MeshSide) -> Mesh:
-    return Mesh.contiguous(list(side.axes.items()), side.first)
 
 
 def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
@@ -80,7 +75,7 @@ def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
 def bench_case(rank: int, dims: ModelDims, data: WeightSyncRecord, dtype: torch.dtype, repeat: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     full = {p.name: torch.randn(p.shape, generator=gen).to(dtype) for p in llama_params(dims)}
-    src_mesh, dst_mesh = mesh_of(data.src), mesh_of(data.dst)
+    src_mesh, dst_mesh = data.src, data.dst
 
     def shards(mesh: Mesh, copy: bool) -> dict[str, tuple[torch.Tensor, Any]]:
         if rank not in mesh:

@@ -1,7 +1,7 @@
 """Layouts as data: device meshes with named axes, per-parameter placements, and the shard a rank holds.
 
-A model copy lives on a `Mesh`: an ordered list of global ranks laid out row-major over named axes
-(`dp`, `fsdp`, `tp`, `pp`). How one parameter is spread over that mesh is a `ParamLayout`: for each
+A model copy lives on a `Mesh` (`graphrl.schemas.mesh`): an ordered list of global ranks laid out
+row-major over named axes (`dp`, `fsdp`, `tp`, `pp`). How one parameter is spread over that mesh is a `ParamLayout`: for each
 axis either `Replicate()` or `Shard(dim)`. Resharding and weight sync (DDMA) read these as data, so a
 new parallelism is a new layout function, not new transfer code.
 
@@ -19,25 +19,16 @@ Conventions, used everywhere in graphrl:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from math import prod
 from typing import Callable, Mapping, Sequence
 
 from graphrl.errors import PlacementError
+from graphrl.schemas.mesh import Mesh, MeshAxis
 from graphrl.schemas.model import ModelDims
 
 # A region of a full tensor as half-open (start, stop) pairs, one per tensor dim.
 Region = tuple[tuple[int, int], ...]
-
-
-class MeshAxis(StrEnum):
-    """Named parallelism axes of a device mesh."""
-
-    DP = "dp"  # data parallel: full replicas
-    FSDP = "fsdp"  # fully sharded data parallel (ZeRO-3 / FSDP2): params sharded on dim 0
-    TP = "tp"  # tensor parallel (Megatron column / row / vocab parallel)
-    PP = "pp"  # pipeline parallel: whole layers per stage
 
 
 @dataclass(frozen=True)
@@ -98,99 +89,6 @@ def chunk_bounds(length: int, num_pieces: int, index: int) -> tuple[int, int]:
 # Axes sharding the same tensor dim nest in the order torch applies them: `parallelize_module` cuts
 # the full tensor over tp first, then `fully_shard` cuts each tp shard over fsdp (a strided shard).
 _NESTING = {MeshAxis.TP: 0, MeshAxis.FSDP: 1}
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """Global ranks laid out row-major over ordered, named axes (the last axis varies fastest)."""
-
-    devices: tuple[int, ...]
-    axes: tuple[tuple[MeshAxis, int], ...]
-    _index: dict[int, int] = field(init=False, repr=False, compare=False, hash=False)
-    _coords: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        devices = tuple(int(d) for d in self.devices)
-        try:
-            axes = tuple((MeshAxis(name), int(size)) for name, size in self.axes)
-        except ValueError as err:
-            raise PlacementError(
-                f"unknown mesh axis in {self.axes!r}: {err}", fix=f"use axes from {[a.value for a in MeshAxis]}"
-            ) from None
-        object.__setattr__(self, "devices", devices)
-        object.__setattr__(self, "axes", axes)
-        names = [name for name, _ in axes]
-        if len(set(names)) != len(names):
-            raise PlacementError(f"mesh axes {names} name an axis twice", fix="give each axis once")
-        if any(size < 1 for _, size in axes):
-            raise PlacementError(f"mesh axis sizes {axes} must all be >= 1")
-        if not devices or len(set(devices)) != len(devices):
-            raise PlacementError(f"mesh devices {devices} must be non-empty and distinct")
-        if prod(size for _, size in axes) != len(devices):
-            raise PlacementError(
-                f"mesh axes {[f'{a.value}={s}' for a, s in axes]} hold {prod(s for _, s in axes)} ranks "
-                f"but {len(devices)} devices were given",
-                fix="make the product of the axis sizes equal the number of devices",
-            )
-        sizes = [size for _, size in axes]
-        coords = []
-        for flat in range(len(devices)):
-            c = []
-            for size in reversed(sizes):
-                flat, i = divmod(flat, size)
-                c.append(i)
-            coords.append(tuple(reversed(c)))
-        object.__setattr__(self, "_index", {d: i for i, d in enumerate(devices)})
-        object.__setattr__(self, "_coords", tuple(coords))
-
-    @classmethod
-    def contiguous(cls, axes: Sequence[tuple[MeshAxis | str, int]], first_rank: int = 0) -> "Mesh":
-        """A mesh over ranks first_rank, first_rank+1, ... in order."""
-        num_ranks = prod(size for _, size in axes)
-        return cls(tuple(range(first_rank, first_rank + num_ranks)), tuple((MeshAxis(a), s) for a, s in axes))
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.devices)
-
-    def size(self, axis: MeshAxis | str) -> int:
-        """Size of `axis`; 1 when the mesh does not have it."""
-        for name, size in self.axes:
-            if name == axis:
-                return size
-        return 1
-
-    def ranks(self) -> tuple[int, ...]:
-        return self.devices
-
-    def __contains__(self, rank: object) -> bool:
-        return rank in self._index
-
-    def coords(self, rank: int) -> dict[MeshAxis, int]:
-        """Index of `rank` along each axis of this mesh."""
-        return {name: i for (name, _), i in zip(self.axes, self.coord_tuple(rank))}
-
-    def coord_tuple(self, rank: int) -> tuple[int, ...]:
-        """Index of `rank` along each axis, in axis order."""
-        try:
-            return self._coords[self._index[rank]]
-        except KeyError:
-            raise PlacementError(f"rank {rank} is not in mesh {self.describe()}") from None
-
-    def coord_table(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """(rank, coords in axis order) for every rank, in mesh order."""
-        return tuple(zip(self.devices, self._coords))
-
-    def axis_position(self, axis: MeshAxis | str) -> int | None:
-        """Position of `axis` among this mesh's axes; None when the mesh does not have it."""
-        for pos, (name, _) in enumerate(self.axes):
-            if name == axis:
-                return pos
-        return None
-
-    def describe(self) -> str:
-        axes = " x ".join(f"{a.value}={s}" for a, s in self.axes) or "single"
-        return f"[{axes} on ranks {self.devices[0]}..{self.devices[-1]}]"
 
 
 # ---------------------------------------------------------------------------------------------

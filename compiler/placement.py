@@ -30,12 +30,12 @@ from graphrl.ir import JobGraph
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
+from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.plan import (
     CandidateSummary,
     DeviceMemory,
     Layout,
     MemoryBytes,
-    MeshSpec,
     Operation,
     RolePlacement,
     StepEstimate,
@@ -60,7 +60,8 @@ Strategy = Literal["colocated", "disaggregated"]
 
 @dataclass(frozen=True)
 class TrainCfg:
-    """Layout of the trainer mesh: every train role (and every frozen role beside it) uses it."""
+    """A candidate trainer: its mesh's shape and the training choices made on it. Every train role (and
+    every frozen role beside it) uses that mesh."""
 
     first: int
     n: int
@@ -77,9 +78,15 @@ class TrainCfg:
         axes = "x".join(f"{k}{v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp), ("pp", self.pp)) if v > 1) or "single"
         return f"train[{axes} {self.sharding}{' rc' if self.recompute else ''}{' off' if self.offload else ''}]"
 
+    def mesh(self, name: str) -> Mesh:
+        return Mesh.contiguous([("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp), ("pp", self.pp)], self.first,
+                               name=name)
+
 
 @dataclass(frozen=True)
 class GenCfg:
+    """A candidate generator: replicas of `tp` shards over `n` devices from `first`, at a precision."""
+
     first: int
     n: int
     tp: int
@@ -92,6 +99,9 @@ class GenCfg:
     @property
     def label(self) -> str:
         return f"gen[tp{self.tp}x dp{self.dp} {self.precision}]"
+
+    def mesh(self, name: str) -> Mesh:
+        return Mesh.contiguous([("dp", self.dp), ("tp", self.tp)], self.first, name=name)
 
 
 @dataclass
@@ -671,13 +681,12 @@ def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
 def to_layout(p: Problem, ev: Evaluated) -> Layout:
     """The plan's view of a candidate: meshes, per-role placements with memory, inserted operations."""
     train, gen = ev.train, ev.gen
-    trainer_axes = {"dp": train.dp, "fsdp": train.fsdp, "tp": train.tp, "pp": train.pp}
-    meshes: list[MeshSpec] = []
+    meshes: list[Mesh] = []
     placements: list[RolePlacement] = []
     operations: list[Operation] = []
     device_memory: list[DeviceMemory] = []
     trainer_mesh = "all" if ev.strategy == "colocated" else "trainer"
-    meshes.append(MeshSpec(name=trainer_mesh, first_device=train.first, num_devices=train.n, axes=trainer_axes))
+    meshes.append(train.mesh(trainer_mesh))
     mem = trainer_mesh_memory(p, train)
     capacity = p.hw.memory_bytes
     for role in p.roles_of("train", "infer"):
@@ -699,8 +708,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         g = p.generator
         gen_mesh = trainer_mesh if ev.strategy == "colocated" else "generator"
         if ev.strategy == "disaggregated":
-            meshes.append(MeshSpec(name="generator", first_device=gen.first, num_devices=gen.n,
-                                   axes={"dp": gen.dp, "tp": gen.tp}))
+            meshes.append(gen.mesh("generator"))
             free = p.usable
         else:
             free = p.usable - sum(_idle(m, mem.offloaded[name]) for name, m in mem.roles.items())

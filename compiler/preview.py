@@ -40,7 +40,7 @@ def _layout_tables(layout: Layout, title: str) -> list[Table]:
     for col in ("mesh", "devices", "axes"):
         meshes.add_column(col)
     for m in layout.meshes:
-        axes = " x ".join(f"{k}={v}" for k, v in m.axes.items() if v > 1) or "single device"
+        axes = " x ".join(f"{k}={v}" for k, v in m.axis_sizes().items() if v > 1) or "single device"
         meshes.add_row(m.name, f"{m.device_range()} ({m.num_devices})", axes)
 
     caps = {d.mesh: d.capacity_bytes for d in layout.device_memory}

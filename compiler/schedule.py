@@ -24,13 +24,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 from graphrl.ir import JobGraph, OpNode
 from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.plan import Layout, RolePlacement
+from graphrl.schemas.plan import Layout
 from graphrl.schemas.program import (
     Advantage,
     Checkpoint,
@@ -54,11 +54,11 @@ from graphrl.schemas.program import (
     shift,
 )
 
-from graphrl.schemas.weightsync import Bucket, LocalCopy, MeshSide, Slice, WeightSyncRecord, WeightSyncSummary
+from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
 
 from graphrl.compiler import cost
 from graphrl.compiler.ddma import plan_summary, plan_weight_sync
-from graphrl.compiler.layout import Mesh, llama_param_layout, llama_params
+from graphrl.compiler.layout import llama_param_layout, llama_params
 from graphrl.compiler.placement import (
     ROLLOUT_BYTES_PER_TOKEN,
     Evaluated,
@@ -87,38 +87,6 @@ def version_for(step: int, mode: str, staleness: int) -> int:
     return step if mode == "sync" else max(0, step - staleness)
 
 
-@dataclass(frozen=True)
-class MeshRanks:
-    """The ranks of one role's mesh and how its axes map ranks to data shards and replicas."""
-
-    first: int
-    n: int
-    dp: int
-    fsdp: int
-    tp: int
-    pp: int
-
-    @property
-    def data_parallel(self) -> int:
-        return self.dp * self.fsdp
-
-    def data_index(self, rank: int) -> int:
-        return (rank - self.first) // (self.tp * self.pp)
-
-    def ranks_of_data_index(self, d: int) -> range:
-        width = self.tp * self.pp
-        return range(self.first + d * width, self.first + (d + 1) * width)
-
-    @property
-    def ranks(self) -> range:
-        return range(self.first, self.first + self.n)
-
-
-def _mesh_of(layout: Layout, placement: RolePlacement) -> MeshRanks:
-    mesh = next(m for m in layout.meshes if m.name == placement.mesh)
-    return MeshRanks(mesh.first_device, mesh.num_devices, placement.dp, placement.fsdp, placement.tp, placement.pp)
-
-
 class _Streams:
     def __init__(self, num_ranks: int) -> None:
         self.streams: list[list[Instruction]] = [[] for _ in range(num_ranks)]
@@ -128,19 +96,19 @@ class _Streams:
             self.streams[r].append(ins)
 
 
-def reshard_pairs(gen: MeshRanks, train: MeshRanks, responses: int, group: int) -> list[tuple[int, int, int, int]]:
+def reshard_pairs(gen: Mesh, train: Mesh, responses: int, group: int) -> list[tuple[int, int, int, int]]:
     """(src, dst, start, stop) of every cross-rank copy of one step's responses, in the global (src, dst)
     order that all ranks follow: each generator replica's range goes to the trainer ranks whose
     data-parallel range overlaps it; replica ranks share the sending (round robin)."""
     transfers: list[tuple[int, int, int, int]] = []
-    gen_ranges = [split_range(responses, gen.dp, j, group) for j in range(gen.dp)]
+    gen_ranges = [split_range(responses, gen.data_parallel, j, group) for j in range(gen.data_parallel)]
     for d in range(train.data_parallel):
         need = split_range(responses, train.data_parallel, d, group)
         for j, have in enumerate(gen_ranges):
             lo, hi = max(need[0], have[0]), min(need[1], have[1])
             if lo >= hi:
                 continue
-            senders = list(range(gen.first + j * gen.tp, gen.first + (j + 1) * gen.tp))
+            senders = list(gen.ranks_of_data_index(j))
             for k, dst in enumerate(train.ranks_of_data_index(d)):
                 src = dst if dst in senders else senders[(d + k) % len(senders)]
                 if src != dst:
@@ -174,7 +142,7 @@ def _role_of(node: OpNode) -> str | None:
     return node.spec.model if node.op in ("logprob", "value", "train") or (node.op == "reward" and node.spec.model) else None
 
 
-def _trainer_step(graph: JobGraph, step: int, train: MeshRanks, responses: int, group: int,
+def _trainer_step(graph: JobGraph, step: int, train: Mesh, responses: int, group: int,
                   offloaded: dict[str, tuple[str, ...]], offload_bytes: dict[str, int], out: _Streams) -> None:
     """The frozen forwards, the advantage and the updates of one step, in topological order."""
     nodes = [graph.node(n) for n in graph.topo_order() if graph.node(n).op in _TRAINER_OPS]
@@ -272,18 +240,18 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
     out = _Streams(num_ranks)
     by_role = {p.role: p for p in layout.placements}
     policy = by_role[problem.policy.name]
-    train = _mesh_of(layout, policy)
+    train = layout.role_mesh(policy)
     gen_role = problem.generator
     gen_pl = by_role[gen_role.name] if gen_role else None
-    gen = _mesh_of(layout, gen_pl) if gen_pl else None
+    gen = layout.role_mesh(gen_pl) if gen_pl else None
     gen_node = next(n for n in graph.nodes() if n.op == "generate")
     group = gen_node.spec.samples_per_prompt
 
-    groups: dict[str, tuple[int, ...]] = {"all": tuple(range(num_ranks)), "trainer": tuple(train.ranks)}
+    groups: dict[str, tuple[int, ...]] = {"all": tuple(range(num_ranks)), "trainer": train.ranks()}
     if gen is not None:
-        for j in range(gen.dp):
-            groups[f"gen.{j}"] = tuple(range(gen.first + j * gen.tp, gen.first + (j + 1) * gen.tp))
-        groups["sync"] = tuple(sorted(set(train.ranks) | set(gen.ranks)))
+        for j in range(gen.data_parallel):
+            groups[f"gen.{j}"] = gen.ranks_of_data_index(j)
+        groups["sync"] = tuple(sorted(set(train.ranks()) | set(gen.ranks())))
 
     offloaded = {p.role: tuple(p.offload) for p in layout.placements if p.offload}
     offload_bytes = {p.role: int(sum(getattr(p.memory_bytes, k) for k in p.offload)) for p in layout.placements}
@@ -321,12 +289,12 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
         for i in range(steps):
             for role, state in offloaded.items():
                 if i == 0:
-                    out.emit(train.ranks, Offload(role, state, offload_bytes[role]))
-            out.emit(train.ranks, ReshardInPlace(problem.policy.model, i, problem.policy.name, gen_role.name, "all"))
-            for j in range(gen.dp):
-                lo, hi = split_range(responses, gen.dp, j, group)
+                    out.emit(train.ranks(), Offload(role, state, offload_bytes[role]))
+            out.emit(train.ranks(), ReshardInPlace(problem.policy.model, i, problem.policy.name, gen_role.name, "all"))
+            for j in range(gen.data_parallel):
+                lo, hi = split_range(responses, gen.data_parallel, j, group)
                 out.emit(groups[f"gen.{j}"], Generate(i, gen_node.name, gen_role.name, i, lo, hi, f"gen.{j}"))
-            out.emit(gen.ranks, ReleaseWeights(gen_role.name))
+            out.emit(gen.ranks(), ReleaseWeights(gen_role.name))
             _reshard(i, pairs, w.seq_len, out)
             _trainer_step(graph, i, train, responses, group, offloaded, offload_bytes, out)
             _checkpoint(i, steps, checkpoint_every, out)
@@ -335,9 +303,9 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
         for i in range(steps):
             v = versions[i]
             if first_use[v] == i:
-                out.emit(gen.ranks, WeightSync(problem.policy.model, v, transfer, "sync"))
-            for j in range(gen.dp):
-                lo, hi = split_range(responses, gen.dp, j, group)
+                out.emit(gen.ranks(), WeightSync(problem.policy.model, v, transfer, "sync"))
+            for j in range(gen.data_parallel):
+                lo, hi = split_range(responses, gen.data_parallel, j, group)
                 out.emit(groups[f"gen.{j}"], Generate(i, gen_node.name, gen_role.name, v, lo, hi, f"gen.{j}"))
             _reshard(i, pairs, w.seq_len, out, recvs=False)
         # Trainer: version 0 first; then per step receive, train, receive every step generated with
@@ -355,13 +323,13 @@ def build_transcript(graph: JobGraph, problem: Problem, ev: Evaluated, layout: L
 
         for i in range(steps):
             if i == 0 and 0 in first_use:
-                out.emit(train.ranks, WeightSync(problem.policy.model, 0, transfer, "sync"))
+                out.emit(train.ranks(), WeightSync(problem.policy.model, 0, transfer, "sync"))
             receive_through(i)
             _trainer_step(graph, i, train, responses, group, offloaded, offload_bytes, out)
             receive_through(last_from[i])
             if i + 1 in first_use:
-                out.emit(train.ranks, WeightSync(problem.policy.model, i + 1, transfer, "sync"))
-            _checkpoint(i, steps, checkpoint_every, out, group="trainer", ranks=train.ranks)
+                out.emit(train.ranks(), WeightSync(problem.policy.model, i + 1, transfer, "sync"))
+            _checkpoint(i, steps, checkpoint_every, out, group="trainer", ranks=train.ranks())
     return Programs.unrolled(steps, out.streams, groups, weight_syncs, durations, checkpoint_every)
 
 
@@ -373,14 +341,12 @@ def _checkpoint(step: int, steps: int, every: int, out: _Streams, group: str = "
 
 
 @functools.lru_cache(maxsize=16)
-def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: MeshRanks, gen: MeshRanks,
+def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
           precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
     """Plan the trainer -> generator weight copy; return (the record the plan stores, predicted seconds).
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
     schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
-    src = Mesh.contiguous([("dp", train.dp), ("fsdp", train.fsdp), ("tp", train.tp), ("pp", train.pp)], train.first)
-    dst = Mesh.contiguous([("dp", gen.dp), ("tp", gen.tp)], gen.first)
     plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_param_layout, dst_mesh=dst,
                             dst_layout=llama_param_layout, src_bytes_per_elem=cost.BF16_BYTES,
                             dst_bytes_per_elem=cost.PRECISION_BYTES[precision], bucket_bytes=bucket_bytes)
@@ -394,8 +360,7 @@ def _ddma(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, train: M
 
     record = WeightSyncRecord(
         model=model,
-        src=MeshSide(first=train.first, axes={"dp": train.dp, "fsdp": train.fsdp, "tp": train.tp, "pp": train.pp}),
-        dst=MeshSide(first=gen.first, axes={"dp": gen.dp, "tp": gen.tp}),
+        src=src, dst=dst,
         src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
         bucket_bytes=bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=seconds,
         rounds=[[Bucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets] for r in plan.rounds]

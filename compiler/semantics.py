@@ -38,6 +38,7 @@ from graphrl.schemas.program import (
     TrainStep,
     Value,
     WeightSync,
+    describe,
 )
 
 STATE = ("params", "grads", "optimizer")
@@ -51,7 +52,12 @@ class Ledger:
     placements: Mapping[str, RolePlacement]
     resident: dict[str, dict[str, float]] = field(default_factory=dict)
     held: float = 0.0
-    where: str = ""  # the instruction being applied, for error messages
+    at: tuple[int, int, Instruction | None] = (0, 0, None)  # (rank, index, instruction) being applied
+
+    @property
+    def where(self) -> str:
+        rank, index, ins = self.at
+        return f"rank {rank} instruction {index} ({describe(ins) if ins is not None else '?'})"
 
     def keep(self, role: str, kinds: tuple[str, ...]) -> None:
         """`role` holds exactly `kinds` of its state from now on."""

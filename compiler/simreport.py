@@ -34,9 +34,9 @@ class SimReport:
 def _representatives(plan: Plan) -> dict[int, str]:
     names = {}
     for mesh in plan.chosen.meshes:
-        names[mesh.first_device] = mesh.name
+        names[mesh.devices[0]] = mesh.name
         if mesh.num_devices > 1:
-            names[mesh.first_device + mesh.num_devices - 1] = mesh.name
+            names[mesh.devices[-1]] = mesh.name
     return names
 
 

@@ -38,7 +38,7 @@ def check_memory(programs: Programs, layout: Layout, usable_bytes: float) -> flo
                 colocated_generator = p.kind == "generate" and layout.strategy == "colocated"
                 ledger.keep(p.role, () if colocated_generator else STATE)
         for index, ins in enumerate(stream):
-            ledger.where = f"rank {rank} instruction {index} ({describe(ins)})"
+            ledger.at = (rank, index, ins)
             transient = SEMANTICS[type(ins)].memory(ins, ledger)  # applies the effect to the ledger first
             total = ledger.held + transient
             if total > highest:

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from graphrl.errors import RunError
 from graphrl.ir import build_graph
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
-from graphrl.schemas.plan import MeshSpec, Plan, RolePlacement
+from graphrl.schemas.mesh import Mesh
+from graphrl.schemas.plan import Plan, RolePlacement
 from graphrl.schemas.program import (
     Advantage,
     Checkpoint,
@@ -169,8 +170,8 @@ class RankExecutor:
     def is_reporter(self) -> bool:
         return self.rank == self.trainer_ranks[0]
 
-    def _mesh(self, p: RolePlacement) -> MeshSpec:
-        return next(m for m in self.plan.chosen.meshes if m.name == p.mesh)
+    def _mesh(self, p: RolePlacement) -> Mesh:
+        return self.plan.chosen.mesh(p.mesh)
 
     def _mesh_has_me(self, p: RolePlacement) -> bool:
         return self.rank in self._mesh(p).devices

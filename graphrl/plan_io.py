@@ -39,7 +39,9 @@ def plan_from_bytes(data: bytes, source: str = "<bytes>", *, check: bool = True)
         raise PlanFileError("not a graphrl plan file", location=where,
                             fix="write one with `graphrl compile JOB -o plan.msgpack`")
     if obj[MAGIC] != PLAN_FORMAT_VERSION:
-        older = " (version 1 plans unrolled every step; this graphrl writes periodic programs)" if obj[MAGIC] == 1 else ""
+        older = {1: " (version 1 plans unrolled every step; this graphrl writes periodic programs)",
+                 2: " (version 2 plans stored meshes as first device and count; this graphrl stores their devices)"
+                 }.get(obj[MAGIC], "")
         raise PlanFileError(f"plan format version {obj[MAGIC]} is not supported (this graphrl reads "
                             f"{PLAN_FORMAT_VERSION}){older}", location=where, fix="recompile the job with this graphrl")
     try:

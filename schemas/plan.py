@@ -16,10 +16,12 @@ from graphrl.schemas.base import Frozen
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import JobSpec, Precision, Sharding
+from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.program import Programs
 
+# 3: meshes are one type (devices and named axes); weight syncs typed records.
 # 2: programs are periodic (prologue, one-step body, epilogue per rank); 1 unrolled every step.
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 RoleKind = Literal["train", "generate", "infer"]
 
@@ -34,23 +36,6 @@ def _programs(value: Any) -> Programs:
 
 TypedPrograms = Annotated[Programs, PlainValidator(_programs), PlainSerializer(Programs.to_data, when_used="json")]
 """Per-rank programs in a Plan: the `Programs` record in memory, its checked data form in a plan file."""
-
-
-class MeshSpec(Frozen):
-    """A contiguous block of devices arranged along named axes (row-major in the order given)."""
-
-    name: str = Field(description="Mesh name, e.g. 'trainer' or 'generator'.")
-    first_device: int = Field(ge=0, description="First global device (rank) of the mesh.")
-    num_devices: int = Field(gt=0, description="Number of devices in the mesh.")
-    axes: dict[str, int] = Field(description="Named axis sizes (dp, fsdp, tp, pp); their product is num_devices.")
-
-    @property
-    def devices(self) -> range:
-        return range(self.first_device, self.first_device + self.num_devices)
-
-    def device_range(self) -> str:
-        last = self.first_device + self.num_devices - 1
-        return f"{self.first_device}" if last == self.first_device else f"{self.first_device}-{last}"
 
 
 class MemoryBytes(Frozen):
@@ -135,11 +120,22 @@ class Layout(Frozen):
 
     strategy: Literal["colocated", "disaggregated"] = Field(description="Family of the layout.")
     label: str = Field(description="Short description.")
-    meshes: list[MeshSpec]
+    meshes: list[Mesh]
     placements: list[RolePlacement]
     operations: list[Operation]
     device_memory: list[DeviceMemory]
     estimate: StepEstimate
+
+    def mesh(self, name: str) -> Mesh:
+        for m in self.meshes:
+            if m.name == name:
+                return m
+        raise KeyError(f"layout {self.label!r} has no mesh {name!r}")
+
+    def role_mesh(self, placement: RolePlacement) -> Mesh:
+        """The devices of the role's mesh along the role's own axes (dp, fsdp, tp, pp): on a colocated
+        layout the trainer and the generator share devices but not their axes."""
+        return self.mesh(placement.mesh).view(dp=placement.dp, fsdp=placement.fsdp, tp=placement.tp, pp=placement.pp)
 
 
 class Plan(Frozen):
@@ -167,8 +163,8 @@ class Plan(Frozen):
             "strategy": self.chosen.strategy,
             "label": self.chosen.label,
             "meshes": [
-                {"name": m.name, "devices": [m.first_device, m.first_device + m.num_devices - 1],
-                 "num_devices": m.num_devices, "axes": m.axes}
+                {"name": m.name, "devices": [min(m.devices), max(m.devices)],
+                 "num_devices": m.num_devices, "axes": m.axis_sizes()}
                 for m in self.chosen.meshes
             ],
             "placements": [

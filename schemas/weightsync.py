@@ -13,6 +13,7 @@ from typing import NamedTuple
 from pydantic import Field
 
 from graphrl.schemas.base import Frozen
+from graphrl.schemas.mesh import Mesh
 
 Region = tuple[tuple[int, int], ...]
 """Per dimension (start, stop) of a slice, in full-tensor coordinates."""
@@ -51,13 +52,6 @@ class LocalCopy(NamedTuple):
     """The slices copied."""
 
 
-class MeshSide(Frozen):
-    """One side of the sync: a contiguous block of ranks along named axes (row-major)."""
-
-    first: int = Field(ge=0, description="First rank of the mesh.")
-    axes: dict[str, int] = Field(description="Axis sizes in order (trainer: dp, fsdp, tp, pp; generator: dp, tp).")
-
-
 class WeightSyncSummary(Frozen):
     """Numbers that describe a sync, for previews, reports and benchmarks."""
 
@@ -86,8 +80,8 @@ class WeightSyncRecord(Frozen):
     """One trainer -> generator weight copy of a model, as the plan stores and the executors run it."""
 
     model: str = Field(description="The model whose weights are copied.")
-    src: MeshSide = Field(description="The trainer's mesh.")
-    dst: MeshSide = Field(description="The generator's mesh.")
+    src: Mesh = Field(description="The trainer's mesh, along its axes (dp, fsdp, tp, pp).")
+    dst: Mesh = Field(description="The generator's mesh, along its axes.")
     src_bytes_per_elem: int = Field(gt=0, description="Bytes per element the trainer sends.")
     dst_bytes_per_elem: int = Field(gt=0, description="Bytes per element the generator holds.")
     bucket_bytes: int = Field(gt=0, description="The bucket size limit the rounds were planned with.")

@@ -37,12 +37,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphrl.compiler import schedule
-from graphrl.compiler.schedule import MeshRanks
 from graphrl.executors.models.llama import Llama, generate
 from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
+from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.schemas.model import ModelDims
 
@@ -110,17 +110,17 @@ def check_shards(model: TensorParallelLlama, full: dict[str, torch.Tensor]) -> i
     return len(model.shards())
 
 
-def stored_plan(src: MeshRanks, dst: MeshRanks, dims: ModelDims) -> WeightSyncRecord:
+def stored_plan(src: Mesh, dst: Mesh, dims: ModelDims) -> WeightSyncRecord:
     data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
     return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 
-def trainer(first: int, fsdp: int = 1) -> MeshRanks:
-    return MeshRanks(first, fsdp, 1, fsdp, 1, 1)
+def trainer(first: int, fsdp: int = 1) -> Mesh:
+    return Mesh.contiguous([("fsdp", fsdp)], first)
 
 
-def generator(first: int, tp: int) -> MeshRanks:
-    return MeshRanks(first, tp, 1, 1, tp, 1)
+def generator(first: int, tp: int) -> Mesh:
+    return Mesh.contiguous([("dp", 1), ("tp", tp)], first)
 
 
 # --- the cases, as each rank runs them ------------------------------------------------------------
@@ -175,7 +175,7 @@ def case_sync_fsdp2xtp2_to_tp2(rank: int, groups: dict[str, Any]) -> dict[str, f
     """fsdp2 x tp2 trainer on ranks 0-3 (2-D DTensors: tp shards, each cut again over fsdp, unevenly
     for the 45 SwiGLU rows and 15 vocabulary rows of a tp shard), tp=2 generator on ranks 2-3."""
     trainer_ranks = (0, 1, 2, 3)
-    data = stored_plan(MeshRanks(0, 4, 1, 2, 2, 1), generator(2, 2), DIMS)
+    data = stored_plan(Mesh.contiguous([("dp", 1), ("fsdp", 2), ("tp", 2), ("pp", 1)], 0), generator(2, 2), DIMS)
     src = seeded_model(DIMS, TRAINED_SEED)
     grid = trainer_mesh_groups(trainer_ranks, 2, rank, TIMEOUT_S)
     wrap_tensor_parallel_trainer(src, "fsdp", trainer_ranks, 2, grid, torch.device("cpu"))

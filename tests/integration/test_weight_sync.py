@@ -28,12 +28,11 @@ import torch.multiprocessing as mp
 
 from graphrl.compiler import schedule
 from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
-from graphrl.compiler.schedule import MeshRanks
 from graphrl.errors import RunError
 from graphrl.executors.models.llama import Llama
 from graphrl.executors.weightsync import DIRECT_MIN_ELEMS, execute_weight_sync, run_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
-from graphrl.schemas.weightsync import MeshSide, WeightSyncRecord
+from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.schemas.model import ModelDims
 
 pytestmark = pytest.mark.slow
@@ -52,8 +51,8 @@ WORLD_DEADLINE_S = 120
 class Case:
     name: str
     world: int
-    src: MeshRanks  # trainer: dp x fsdp x tp x pp
-    dst: MeshRanks  # generator: dp x tp
+    src: Mesh  # trainer: dp x fsdp x tp x pp
+    dst: Mesh  # generator: dp x tp
     dst_dtype: torch.dtype = torch.float32
     bucket_bytes: int = schedule.DDMA_BUCKET_BYTES
     module: bool = False  # whole Llama modules through run_weight_sync instead of shards
@@ -62,12 +61,12 @@ class Case:
     has_direct: bool = False  # some slices are large enough to travel alone (see DIRECT_MIN_ELEMS)
 
 
-def trainer(first: int, dp: int = 1, fsdp: int = 1, tp: int = 1, pp: int = 1) -> MeshRanks:
-    return MeshRanks(first, dp * fsdp * tp * pp, dp, fsdp, tp, pp)
+def trainer(first: int, dp: int = 1, fsdp: int = 1, tp: int = 1, pp: int = 1) -> Mesh:
+    return Mesh.contiguous([("dp", dp), ("fsdp", fsdp), ("tp", tp), ("pp", pp)], first)
 
 
-def generator(first: int, dp: int = 1, tp: int = 1) -> MeshRanks:
-    return MeshRanks(first, dp * tp, dp, 1, tp, 1)
+def generator(first: int, dp: int = 1, tp: int = 1) -> Mesh:
+    return Mesh.contiguous([("dp", dp), ("tp", tp)], first)
 
 
 CASES = [
@@ -99,11 +98,6 @@ def stored_plan(case: Case) -> WeightSyncRecord:
     return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 
-def stored_mesh(side: MeshSide) -> Mesh:
-    """A mesh from the plan's own description of it (axes in the order `_ddma` built it)."""
-    return Mesh.contiguous(list(side.axes.items()), side.first)
-
-
 def full_tensors(dims: ModelDims) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(SEED)
     return {p.name: torch.randn(p.shape, generator=gen) for p in llama_params(dims)}
@@ -128,8 +122,8 @@ def shards(dims: ModelDims, full: dict[str, torch.Tensor], mesh: Mesh, rank: int
 
 def run_shard_case(rank: int, case: Case, data: WeightSyncRecord) -> int:
     full = full_tensors(case.dims)
-    src = shards(case.dims, full, stored_mesh(data.src), rank, None)
-    dst = shards(case.dims, full, stored_mesh(data.dst), rank, case.dst_dtype)
+    src = shards(case.dims, full, data.src, rank, None)
+    dst = shards(case.dims, full, data.dst, rank, case.dst_dtype)
     cpu = torch.device("cpu")
     execute_weight_sync(data, rank, src, dst, cpu, cpu, wire_dtype=torch.float32)
     bad = [f"{name}{list(region)}" for name, (got, region) in dst.items()
@@ -142,9 +136,9 @@ def run_shard_case(rank: int, case: Case, data: WeightSyncRecord) -> int:
 def run_module_case(rank: int, case: Case, data: WeightSyncRecord) -> int:
     torch.manual_seed(SEED)
     reference = Llama(case.dims)
-    src = reference if rank in stored_mesh(data.src) else None
+    src = reference if rank in data.src else None
     dst = None
-    if rank in stored_mesh(data.dst):
+    if rank in data.dst:
         dst = Llama(case.dims)
         with torch.no_grad():
             for p in dst.parameters():
@@ -233,7 +227,7 @@ def world_reports():
 
 
 def expected_checks(case: Case, data: WeightSyncRecord) -> int:
-    mesh = stored_mesh(data.dst)
+    mesh = data.dst
     params = llama_params(case.dims)
     if case.module:
         return mesh.num_ranks * len(params)
@@ -273,7 +267,7 @@ def test_a_shard_that_misses_the_planned_region_is_refused() -> None:
     case = CASES[0]
     data = stored_plan(case)
     full = full_tensors(DIMS)
-    src = shards(DIMS, full, stored_mesh(data.src), 0, None)
+    src = shards(DIMS, full, data.src, 0, None)
     name = "model.layers.0.mlp.up_proj.weight"
     tensor, ((a, b), cols) = src[name]
     src[name] = (tensor[: (b - a) // 2], ((a, a + (b - a) // 2), cols))
@@ -285,7 +279,7 @@ def test_a_shard_that_misses_the_planned_region_is_refused() -> None:
 def test_a_source_shard_of_another_dtype_than_the_wire_is_refused() -> None:
     case = CASES[0]
     data = stored_plan(case)
-    src = shards(DIMS, full_tensors(DIMS), stored_mesh(data.src), 0, None)
+    src = shards(DIMS, full_tensors(DIMS), data.src, 0, None)
     src = {k: (t.to(torch.bfloat16), r) for k, (t, r) in src.items()}
     cpu = torch.device("cpu")
     with pytest.raises(RunError, match="wire dtype"):

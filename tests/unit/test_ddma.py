@@ -137,7 +137,7 @@ def meshes(draw, devices_from: list[int] | None = None, max_ranks: int = 8) -> M
     else:
         devices = list(devices_from)
     devices = draw(st.permutations(devices)) if draw(st.booleans()) else devices
-    return Mesh(tuple(devices[:total]), tuple(sizes))
+    return Mesh.of(tuple(devices[:total]), tuple(sizes))
 
 
 @st.composite
@@ -295,8 +295,8 @@ def test_hand_computed_tp2_to_tp4_on_other_devices() -> None:
     w = ParamInfo("w", (4, 4))
     layout = lambda p: {TP: Shard(0)}  # noqa: E731
     plan = plan_weight_sync(
-        [w], src_mesh=Mesh((0, 1), ((TP, 2),)), src_layout=layout,
-        dst_mesh=Mesh((2, 3, 4, 5), ((TP, 4),)), dst_layout=layout, bucket_bytes=1 << 20,
+        [w], src_mesh=Mesh.of((0, 1), ((TP, 2),)), src_layout=layout,
+        dst_mesh=Mesh.of((2, 3, 4, 5), ((TP, 4),)), dst_layout=layout, bucket_bytes=1 << 20,
     )
 
     def bucket(src: int, dst: int, row: int) -> Bucket:
@@ -317,8 +317,8 @@ def test_hand_computed_tp2_to_tp4_on_overlapping_devices() -> None:
     w = ParamInfo("w", (4, 4))
     layout = lambda p: {TP: Shard(0)}  # noqa: E731
     plan = plan_weight_sync(
-        [w], src_mesh=Mesh((0, 1), ((TP, 2),)), src_layout=layout,
-        dst_mesh=Mesh((0, 1, 2, 3), ((TP, 4),)), dst_layout=layout, bucket_bytes=1 << 20,
+        [w], src_mesh=Mesh.of((0, 1), ((TP, 2),)), src_layout=layout,
+        dst_mesh=Mesh.of((0, 1, 2, 3), ((TP, 4),)), dst_layout=layout, bucket_bytes=1 << 20,
     )
     one = lambda s, d, r: Bucket(s, d, (Slice("w", rows(r, r + 1), rows(r, r + 1)),), 8)  # noqa: E731
     assert plan.rounds == (TransferRound((one(0, 1, 1), one(1, 2, 2))), TransferRound((one(1, 3, 3),)))
@@ -330,7 +330,7 @@ def test_a_slice_longer_than_a_bucket_is_cut_to_fill_buckets() -> None:
     """A [6, 5] fp32 weight (120 B) sent whole with 48 B buckets: 120 B = 3 buckets of 40 B."""
     w = ParamInfo("w", (6, 5))
     plan = plan_weight_sync(
-        [w], src_mesh=Mesh((0,), ()), src_layout=lambda p: {}, dst_mesh=Mesh((1,), ()), dst_layout=lambda p: {},
+        [w], src_mesh=Mesh.of((0,), ()), src_layout=lambda p: {}, dst_mesh=Mesh.of((1,), ()), dst_layout=lambda p: {},
         src_bytes_per_elem=4, bucket_bytes=48,
     )
     assert [b.num_bytes for b in plan.buckets()] == [40, 40, 40]
@@ -344,7 +344,7 @@ def test_wire_bytes_are_source_bytes() -> None:
     """bf16 trainer -> fp8 generator: 2 bytes per element cross the link; the cast is the receiver's."""
     w = ParamInfo("w", (4, 4))
     plan = plan_weight_sync(
-        [w], src_mesh=Mesh((0,), ()), src_layout=lambda p: {}, dst_mesh=Mesh((1,), ()), dst_layout=lambda p: {},
+        [w], src_mesh=Mesh.of((0,), ()), src_layout=lambda p: {}, dst_mesh=Mesh.of((1,), ()), dst_layout=lambda p: {},
         src_bytes_per_elem=2, dst_bytes_per_elem=1,
     )
     assert plan.total_bytes == 32 and plan.dst_bytes_per_elem == 1
@@ -352,7 +352,7 @@ def test_wire_bytes_are_source_bytes() -> None:
 
 def test_bad_inputs_are_user_errors() -> None:
     w = ParamInfo("w", (4,))
-    kwargs = dict(src_mesh=Mesh((0,), ()), src_layout=lambda p: {}, dst_mesh=Mesh((1,), ()), dst_layout=lambda p: {})
+    kwargs = dict(src_mesh=Mesh.of((0,), ()), src_layout=lambda p: {}, dst_mesh=Mesh.of((1,), ()), dst_layout=lambda p: {})
     with pytest.raises(GraphRLError, match="bucket"):
         plan_weight_sync([w], bucket_bytes=1, **kwargs)
     with pytest.raises(GraphRLError, match="repeat"):

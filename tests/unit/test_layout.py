@@ -33,7 +33,7 @@ DP, FSDP, TP, PP = MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP, MeshAxis.PP
 
 
 def test_mesh_coords_are_row_major_over_the_given_devices() -> None:
-    mesh = Mesh((10, 11, 12, 13, 14, 15), ((DP, 2), (TP, 3)))
+    mesh = Mesh.of((10, 11, 12, 13, 14, 15), ((DP, 2), (TP, 3)))
     assert mesh.coords(10) == {DP: 0, TP: 0}
     assert mesh.coords(12) == {DP: 0, TP: 2}
     assert mesh.coords(13) == {DP: 1, TP: 0}
@@ -43,7 +43,7 @@ def test_mesh_coords_are_row_major_over_the_given_devices() -> None:
 
 
 def test_mesh_accepts_axis_names_as_strings_and_compares_by_value() -> None:
-    assert Mesh([0, 1], [("tp", 2)]) == Mesh((0, 1), ((TP, 2),))
+    assert Mesh.of([0, 1], [("tp", 2)]) == Mesh.of((0, 1), ((TP, 2),))
 
 
 @pytest.mark.parametrize(
@@ -57,13 +57,13 @@ def test_mesh_accepts_axis_names_as_strings_and_compares_by_value() -> None:
     ],
 )
 def test_mesh_rejects_inconsistent_descriptions(devices: tuple, axes: tuple) -> None:
-    with pytest.raises(PlacementError):
-        Mesh(devices, axes)
+    with pytest.raises(ValueError, match="hold|twice|distinct|is not a valid MeshAxis"):
+        Mesh.of(devices, axes)
 
 
 def test_coords_of_a_foreign_rank_is_an_error() -> None:
     with pytest.raises(PlacementError, match="not in mesh"):
-        Mesh((0, 1), ((TP, 2),)).coords(5)
+        Mesh.of((0, 1), ((TP, 2),)).coords(5)
 
 
 # --- splits -----------------------------------------------------------------------------------

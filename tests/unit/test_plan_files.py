@@ -11,6 +11,7 @@ from graphrl.compiler.compile import compile_job
 from graphrl.errors import PlanFileError
 from graphrl.loader import job_cluster, load_job
 from graphrl.plan_io import load_plan, plan_from_bytes, plan_to_bytes, save_plan
+from graphrl.schemas.plan import PLAN_FORMAT_VERSION
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -29,7 +30,8 @@ def test_round_trip_is_exact(tmp_path, name):
     (b"\x80\x04\x95garbage-pickle", "not a"),
     (msgpack.packb({"something": 1}), "not a graphrl plan"),
     (msgpack.packb({"graphrl_plan": 999, "plan": {}}), "version 999"),
-    (msgpack.packb({"graphrl_plan": 2, "plan": {"job": 3}}), "corrupted"),
+    (msgpack.packb({"graphrl_plan": PLAN_FORMAT_VERSION, "plan": {"job": 3}}), "corrupted"),
+    (msgpack.packb({"graphrl_plan": 2, "plan": {}}), "version 2 is not supported"),
     (msgpack.packb({"graphrl_plan": 1, "plan": {}}), "version 1 is not supported"),
 ])
 def test_bad_plan_files(payload, words):

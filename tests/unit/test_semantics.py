@@ -62,7 +62,7 @@ def test_the_ledger_follows_each_kinds_memory_effect():
     assert ledger.held == 60
 
     def apply(ins):
-        ledger.where = type(ins).__name__
+        ledger.at = (0, 0, ins)
         return SEMANTICS[type(ins)].memory(ins, ledger)
 
     assert apply(TrainStep(0, "train", "policy", 0, 4, 1, "all")) == 7  # activations + KV cache, transient
