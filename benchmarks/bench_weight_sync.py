@@ -1,7 +1,7 @@
 """How close the DDMA weight-sync executor comes to raw point-to-point bandwidth, on 2 local ranks (gloo).
 
 Each case plans a trainer -> generator sync with the real planner, stores it the way a compiled job
-does (`compiler/schedule.py:_ddma`, through JSON), and times only `execute_weight_sync` (packing,
+does (`compiler/weight_sync.py:ddma_record`, through JSON), and times only `execute_weight_sync` (packing,
 the batched sends and receives, unpacking). Beside it, in the same run, the same bytes per
 direction go as ONE flat tensor per (sender, receiver) pair with `dist.send` / `dist.recv` (or one
 batched isend/irecv when both ranks send). GB/s = bytes crossing between the ranks / the slower
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphrl.compiler import schedule
+from graphrl.compiler import weight_sync
 from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.executors.weightsync import execute_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
@@ -52,7 +52,7 @@ def model_dims(layers: int) -> ModelDims:
 
 
 def stored_plan(dims: ModelDims, src: Mesh, dst: Mesh, bucket_bytes: int) -> WeightSyncRecord:
-    data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16", bucket_bytes)
+    data, _ = weight_sync.ddma_record(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16", bucket_bytes)
     return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 

@@ -1,8 +1,11 @@
 """The pass contract and the runner.
 
 A pass is a plain function `(graph, ctx) -> graph` wrapped with the facts (graph attribute names) it
-requires and ensures. The runner checks requires -> call -> ensures, runs the graph invariants between
-passes when asked, and reports a failure with the pass's name and the passes that ran before it.
+requires and ensures, and optionally its stage's spec: a check of what the pass produced (every
+trainer rank gets its responses exactly once, no rank sends twice in a DDMA round, ...). The runner
+checks requires -> call -> ensures; when asked (tests, `graphrl --debug`) it also runs the graph
+invariants and the pass's spec between passes. A failure is reported with the pass's name and the
+passes that ran before it.
 A user's mistake found by a pass stays a `GraphRLError` (exit 2, with its place); anything else is a bug
 and is wrapped in `PassFailure`.
 """
@@ -21,6 +24,7 @@ from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import JobSpec
 
 PassFn = Callable[[JobGraph, "CompileContext"], JobGraph]
+SpecFn = Callable[[JobGraph], list[str]]
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,16 @@ class Pass:
     requires: tuple[str, ...] = ()
     ensures: tuple[str, ...] = ()
     doc: str = ""
+    spec: SpecFn | None = None
+    """The stage's spec: the problems with what the pass produced (empty when it holds)."""
 
 
-def compiler_pass(name: str, *, requires: Sequence[str] = (), ensures: Sequence[str] = ()) -> Callable[[PassFn], Pass]:
-    """Decorate a `(graph, ctx) -> graph` function as a pass with its contract."""
+def compiler_pass(name: str, *, requires: Sequence[str] = (), ensures: Sequence[str] = (),
+                  spec: SpecFn | None = None) -> Callable[[PassFn], Pass]:
+    """Decorate a `(graph, ctx) -> graph` function as a pass with its contract and its stage's spec."""
 
     def wrap(fn: PassFn) -> Pass:
-        return Pass(name, fn, tuple(requires), tuple(ensures), (fn.__doc__ or "").strip().split("\n")[0])
+        return Pass(name, fn, tuple(requires), tuple(ensures), (fn.__doc__ or "").strip().split("\n")[0], spec)
 
     return wrap
 
@@ -129,8 +136,9 @@ def run_passes(
     on_pass: Callable[[Pass, JobGraph], None] | None = None,
     on_start: Callable[[Pass], None] | None = None,
 ) -> JobGraph:
-    """Run `passes` in order, enforcing each contract; `check` runs the invariants between passes.
-    `on_start` hears of each pass before it runs (a progress line), `on_pass` after."""
+    """Run `passes` in order, enforcing each contract; `check` runs the invariants between passes
+    and each pass's stage spec after it. `on_start` hears of each pass before it runs (a progress
+    line), `on_pass` after."""
     done: list[str] = []
     for p in passes:
         if on_start is not None:
@@ -154,7 +162,7 @@ def run_passes(
         if absent:
             raise PassFailure(p.name, done, f"did not ensure {', '.join(absent)}")
         if check:
-            problems = check_invariants(result)
+            problems = check_invariants(result) + (p.spec(result) if p.spec is not None else [])
             if problems:
                 raise PassFailure(p.name, done, "; ".join(problems))
         graph = result
@@ -165,6 +173,6 @@ def run_passes(
 
 
 __all__ = [
-    "CompileContext", "DataEdge", "INVARIANTS", "Pass", "PassFailure", "WeightEdge",
+    "CompileContext", "DataEdge", "INVARIANTS", "Pass", "PassFailure", "SpecFn", "WeightEdge",
     "check_invariants", "compiler_pass", "run_passes",
 ]

@@ -1,4 +1,5 @@
-"""The cost-annotation, placement, schedule and verify passes."""
+"""The cost-annotation and placement passes (the stages after placement are in offload.py, reshard.py,
+weight_sync.py, schedule.py, lower.py and verify.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.placed import PlacedLayout
 from graphrl.compiler.placement import Evaluated, Problem, make_problem, search, summaries, to_layout
 from graphrl.compiler.roles import derive_roles, derive_workload
-from graphrl.compiler.schedule import build_programs
+from graphrl.compiler.programs import build_programs
 from graphrl.compiler.simulate import run_programs
-from graphrl.compiler.verify import verify_programs
 
 # Candidates re-ranked by simulating their programs when the cluster is this small (the simulator
 # sees queueing and pipelining that the analytical estimate does not); larger clusters keep the
@@ -48,7 +48,29 @@ def _with_estimate(layout, seconds: float):  # noqa: ANN001, ANN202
     return layout.model_copy(update={"estimate": estimate})
 
 
-@compiler_pass("placement", requires=("types", "costs"), ensures=("placement",))
+def check_placement(graph: JobGraph) -> list[str]:
+    """The stage's spec: every role is placed once, on devices of the cluster, and its peak memory
+    fits a device; the chosen layout is among the candidates considered."""
+    placed: PlacedLayout = graph["placement"]
+    layout, problem = placed.chosen, placed.problem
+    problems = []
+    roles = [p.role for p in layout.placements]
+    expected = sorted(r.name for r in problem.roles)
+    if sorted(roles) != expected:
+        problems.append(f"placed roles {sorted(roles)}, the job has {expected}")
+    for p in layout.placements:
+        mesh = layout.role_mesh(p)
+        if not set(mesh.devices) <= set(range(problem.num_devices)):
+            problems.append(f"role {p.role} is placed on devices outside the cluster's {problem.num_devices}")
+        if p.memory_bytes.total > placed.usable_bytes:
+            problems.append(f"role {p.role} needs {p.memory_bytes.total:.3g} bytes per device, "
+                            f"{placed.usable_bytes:.3g} are usable")
+    if placed.candidates_considered < 1:
+        problems.append("no candidate was considered")
+    return problems
+
+
+@compiler_pass("placement", requires=("types", "costs"), ensures=("placement",), spec=check_placement)
 def place(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """Search layouts; keep the best, the colocated-synchronous baseline and the candidate summaries."""
     assert ctx.cluster is not None and ctx.hardware is not None
@@ -72,23 +94,4 @@ def place(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     return graph.with_attr("placement", placed)
 
 
-@compiler_pass("schedule", requires=("placement",), ensures=("programs",))
-def schedule(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """Insert reshard, weight-sync and offload operations; unroll the steps into per-rank programs."""
-    placed: PlacedLayout = graph["placement"]
-    steps = int(ctx.options.get("steps") or graph.job.schedule.steps)
-    programs = placed.programs(graph, steps=steps, mode=ctx.options.get("mode"))
-    return graph.with_attr("programs", programs)
-
-
-@compiler_pass("verify", requires=("programs", "placement"), ensures=("verified",))
-def verify(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """No deadlock, memory fits at every instruction, the staleness bound holds."""
-    placed: PlacedLayout = graph["placement"]
-    layout = placed.chosen
-    mode = ctx.options.get("mode") or (graph.job.schedule.mode if layout.strategy == "disaggregated" else "sync")
-    peak = verify_programs(graph["programs"], layout, placed.usable_bytes, mode, graph.job.schedule.max_staleness)
-    return graph.with_attr("verified", MappingProxyType({"peak_bytes": peak}))
-
-
-__all__ = ["annotate_costs", "place", "schedule", "verify"]
+__all__ = ["annotate_costs", "check_placement", "place"]

@@ -11,11 +11,12 @@ from typing import Literal
 
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.plan import CandidateSummary, Layout
 from graphrl.schemas.program import Programs
 
-from graphrl.compiler.placement import Evaluated, Problem
-from graphrl.compiler.schedule import build_programs
+from graphrl.compiler.placement import Evaluated, Problem, policy_meshes
+from graphrl.compiler.programs import build_programs
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class PlacedLayout:
     def devices_per_node(self) -> int:
         """Devices that share one node's fast links."""
         return self.problem.per_node
+
+    def meshes(self) -> tuple[Mesh, Mesh | None]:
+        """(the policy trainer's mesh, the generator's mesh or None) of the chosen layout."""
+        return policy_meshes(self.problem, self.chosen)
 
     def programs(self, graph: JobGraph, *, baseline: bool = False, steps: int, mode: str | None = None,
                  checkpoint_every: int | None = None, periodic: bool = True) -> Programs:

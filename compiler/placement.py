@@ -678,6 +678,13 @@ def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
                        kv_cache=m.kv_cache)
 
 
+def policy_meshes(p: Problem, layout: Layout) -> tuple[Mesh, Mesh | None]:
+    """(the policy trainer's mesh, the generator's mesh or None) of a layout."""
+    by_role = {pl.role: pl for pl in layout.placements}
+    train = layout.role_mesh(by_role[p.policy.name])
+    return train, (layout.role_mesh(by_role[p.generator.name]) if p.generator else None)
+
+
 def to_layout(p: Problem, ev: Evaluated) -> Layout:
     """The plan's view of a candidate: meshes, per-role placements with memory, inserted operations."""
     train, gen = ev.train, ev.gen

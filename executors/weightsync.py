@@ -14,7 +14,7 @@ more than one bucket. Where trainer and generator share a rank, the part of the 
 it is copied shard to shard while the first round's messages are in flight (the plan gives the two
 disjoint regions of the destination).
 
-`execute_weight_sync` runs the stored plan (what `compiler/schedule.py:_ddma` writes) on shards;
+`execute_weight_sync` runs the stored plan (what `compiler/weight_sync.py:ddma_record` writes) on shards;
 `run_weight_sync` is the executor's entry point for whole modules: full, FSDP2-sharded (DTensor) or
 tensor-parallel generators (`tensor_parallel.py`), whose shards are the plan's regions.
 """

@@ -120,7 +120,7 @@ def warn(graph: JobGraph) -> None:
 
 @click.group(cls=GraphRLGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="graphrl")
-@click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
+@click.option("--debug", is_flag=True, help="Show tracebacks of errors; check every compiler stage's spec between passes.")
 def main(debug: bool) -> None:
     """graphrl: compile RL jobs for LLMs, written as typed dataflow graphs, into placed per-rank programs."""
 
@@ -175,8 +175,10 @@ def compile_loaded_graph(loaded: LoadedJob, cluster: str | None, **options):  # 
     from graphrl.progress import progress
 
     resolved = job_cluster(loaded, cluster)
+    root = click.get_current_context(silent=True)
+    check = bool(root is not None and root.find_root().params.get("debug"))
     with progress(f"compiling {loaded.spec.name}") as report:
-        graph = compile_graph(loaded, resolved, progress=report, **options)
+        graph = compile_graph(loaded, resolved, progress=report, check=check, **options)
     warn(graph)
     return graph, plan_of(graph, resolved)
 

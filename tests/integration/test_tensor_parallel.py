@@ -4,7 +4,7 @@ What each case checks, against a full model built on every rank from the same se
 - tp=2 (one group tied, one untied) and tp=4 (KV heads replicated on 2 ranks each) sample the same
   tokens as tp=1 and their log-probabilities agree within LOGPROB_ATOL; every rank of a group returns
   the same bits (the samples are drawn, not broadcast, so a rank that diverged would show here);
-- after a DDMA weight sync planned by the compiler (`schedule._ddma`, stored as a plan stores it), from
+- after a DDMA weight sync planned by the compiler (`weight_sync.ddma_record`, stored as a plan stores it), from
   a full trainer and from an FSDP2-sharded one (DTensor shards), every generator shard equals the
   trainer's full tensor's region bit for bit, replicated KV heads included, and generation with the
   synced shards samples what tp=1 samples with the trainer's weights; the same from an fsdp x tp
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphrl.compiler import schedule
+from graphrl.compiler import weight_sync
 from graphrl.executors.models.llama import Llama, generate
 from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
@@ -111,7 +111,7 @@ def check_shards(model: TensorParallelLlama, full: dict[str, torch.Tensor]) -> i
 
 
 def stored_plan(src: Mesh, dst: Mesh, dims: ModelDims) -> WeightSyncRecord:
-    data, _ = schedule._ddma(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
+    data, _ = weight_sync.ddma_record(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
     return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 

@@ -1,4 +1,4 @@
-"""DDMA weight sync on real ranks: plans from the real planner, stored the way `compiler/schedule.py`
+"""DDMA weight sync on real ranks: plans from the real planner, stored the way `compiler/weight_sync.py`
 stores them, executed by `executors/weightsync.py` over gloo between processes on this machine.
 
 Every case moves weights between DIFFERENT layouts (fsdp / tp / dp / pp, disjoint or shared ranks).
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphrl.compiler import schedule
+from graphrl.compiler import weight_sync
 from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.errors import RunError
 from graphrl.executors.models.llama import Llama
@@ -54,7 +54,7 @@ class Case:
     src: Mesh  # trainer: dp x fsdp x tp x pp
     dst: Mesh  # generator: dp x tp
     dst_dtype: torch.dtype = torch.float32
-    bucket_bytes: int = schedule.DDMA_BUCKET_BYTES
+    bucket_bytes: int = weight_sync.DDMA_BUCKET_BYTES
     module: bool = False  # whole Llama modules through run_weight_sync instead of shards
     dims: ModelDims = DIMS
     has_local: bool = False  # the plan keeps some bytes rank-locally
@@ -92,8 +92,8 @@ CASES = [
 
 
 def stored_plan(case: Case) -> WeightSyncRecord:
-    """The record exactly as a compiled job stores it: `schedule._ddma`'s, through its JSON form."""
-    data, _ = schedule._ddma(case.dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, case.src, case.dst, "bf16",
+    """The record exactly as a compiled job stores it: `weight_sync.ddma_record`'s, through its JSON form."""
+    data, _ = weight_sync.ddma_record(case.dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, case.src, case.dst, "bf16",
                              case.bucket_bytes)
     return WeightSyncRecord.model_validate_json(data.model_dump_json())
 

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.compile import compile_graph, compile_job
-from graphrl.compiler.schedule import build_programs, fold_length
+from graphrl.compiler.programs import build_programs
+from graphrl.compiler.schedule import fold_length
 from graphrl.compiler.simulate import run_programs
 from graphrl.compiler.verify import check_body_memory_balance
 from graphrl.errors import PlanFileError, VerifyError

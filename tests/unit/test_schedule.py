@@ -12,7 +12,9 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.compile import compile_graph, compile_job
-from graphrl.compiler.schedule import build_programs, split_range, version_for
+from graphrl.compiler.programs import build_programs
+from graphrl.compiler.reshard import split_range
+from graphrl.compiler.schedule import version_for
 from graphrl.compiler.simulate import chrome_trace, run_programs
 from graphrl.compiler.verify import check_memory, check_staleness
 from graphrl.errors import VerifyError

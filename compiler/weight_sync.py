@@ -1,0 +1,145 @@
+"""The weight-sync stage: how each new version of the policy's weights reaches the generator.
+
+Disaggregated layouts get one DDMA plan (graphrl.compiler.ddma) per trained model that generates:
+the trainer's shards intersected with the generator's shards per parameter, bucketed, in
+contention-free rounds, stored in the plan as a `WeightSyncRecord` and run by a `WeightSync` group
+instruction. Colocated layouts gather the generator's weights in place (`ReshardInPlace`): the same
+devices hold both roles.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from graphrl.ir import JobGraph
+from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.mesh import Mesh
+from graphrl.schemas.model import ModelDims
+from graphrl.schemas.plan import Layout
+from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
+
+from graphrl.compiler import cost
+from graphrl.compiler.ddma import plan_summary, plan_weight_sync
+from graphrl.compiler.layout import llama_param_layout, llama_params
+from graphrl.compiler.passes import CompileContext, compiler_pass
+from graphrl.compiler.placement import Evaluated, Problem, policy_meshes, reshard_in_place_time
+
+if TYPE_CHECKING:
+    from graphrl.compiler.placed import PlacedLayout
+
+# DDMA plans with more buckets than this keep only their summary in the plan file (a 405B plan has
+# ~10^5 buckets); executors of such plans recompute the rounds with the same deterministic planner.
+MAX_STORED_BUCKETS = 20_000
+DDMA_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class WeightSyncPlan:
+    """The weight-sync stage's result for the policy."""
+
+    kind: Literal["none", "in_place", "ddma"]
+    """No generator; colocated (gather in place); disaggregated (DDMA copy)."""
+    transfer: str
+    """The transfer's name in the plan (`model:trainer->generator`)."""
+    seconds: float
+    """Predicted seconds of one sync."""
+    record: WeightSyncRecord | None = None
+    """The DDMA plan the executors run (`ddma` only)."""
+
+
+def plan_policy_sync(problem: Problem, ev: Evaluated, layout: Layout) -> WeightSyncPlan:
+    """The policy's weight sync on `layout`."""
+    policy = problem.policy
+    transfer = f"{policy.model}:trainer->generator"
+    gen_role = problem.generator
+    if gen_role is None or ev.gen is None:
+        return WeightSyncPlan("none", transfer, 0.0)
+    if layout.strategy == "colocated":
+        return WeightSyncPlan("in_place", transfer, reshard_in_place_time(problem, ev.train, ev.gen)[0])
+    train, gen = policy_meshes(problem, layout)
+    precision = next(p.precision for p in layout.placements if p.role == gen_role.name)
+    record, seconds = ddma_record(policy.dims, policy.model, problem.hw, problem.per_node, train, gen, precision)
+    return WeightSyncPlan("ddma", transfer, seconds, record)
+
+
+@functools.lru_cache(maxsize=16)
+def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
+                precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
+    """Plan the trainer -> generator weight copy; return (the record the plan stores, predicted seconds).
+
+    Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
+    schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
+    plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_param_layout, dst_mesh=dst,
+                            dst_layout=llama_param_layout, src_bytes_per_elem=cost.BF16_BYTES,
+                            dst_bytes_per_elem=cost.PRECISION_BYTES[precision], bucket_bytes=bucket_bytes)
+    spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
+    bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency
+    seconds = sum(r.max_bucket_bytes / bw + hw.link_latency_s for r in plan.rounds)
+    stored = plan.num_buckets <= MAX_STORED_BUCKETS
+
+    def slices(bucket) -> tuple[Slice, ...]:  # noqa: ANN001
+        return tuple(Slice(s.param, tuple(tuple(x) for x in s.src_region)) for s in bucket.slices)
+
+    record = WeightSyncRecord(
+        model=model,
+        src=src, dst=dst,
+        src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
+        bucket_bytes=bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=seconds,
+        rounds=[[Bucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets] for r in plan.rounds]
+        if stored else None,
+        local=[LocalCopy(b.src, b.num_bytes, slices(b)) for b in plan.local_copies] if stored else [],
+    )
+    return record, seconds
+
+
+def check_weight_sync(plan: WeightSyncPlan, problem: Problem, layout: Layout) -> list[str]:
+    """The stage's spec: the kind matches the strategy; a DDMA record copies between the layout's own
+    meshes, no rank sends or receives twice in a round, every bucket stays within the size limit, and
+    the stored buckets add up to the summary's bytes."""
+    gen_role = problem.generator
+    expected = "none" if gen_role is None else ("in_place" if layout.strategy == "colocated" else "ddma")
+    if plan.kind != expected:
+        return [f"a {layout.strategy} layout{'' if gen_role else ' without a generator'} syncs weights "
+                f"'{plan.kind}', not '{expected}'"]
+    if not plan.seconds >= 0:
+        return [f"predicted sync time {plan.seconds} s"]
+    record = plan.record
+    if plan.kind != "ddma":
+        return [] if record is None else ["a record for a sync that is not DDMA"]
+    assert record is not None
+    train, gen = policy_meshes(problem, layout)
+    problems = []
+    if record.src != train:
+        problems.append("the record's source mesh is not the trainer's mesh")
+    if record.dst != gen:
+        problems.append("the record's destination mesh is not the generator's mesh")
+    if record.rounds is not None:
+        wire = 0
+        for k, round_ in enumerate(record.rounds):
+            srcs, dsts = [b.src for b in round_], [b.dst for b in round_]
+            if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+                problems.append(f"round {k}: a rank sends or receives twice")
+            if any(b.num_bytes > record.bucket_bytes for b in round_):
+                problems.append(f"round {k}: a bucket exceeds {record.bucket_bytes} bytes")
+            wire += sum(b.num_bytes for b in round_)
+        if wire != record.summary.total_bytes:
+            problems.append(f"buckets hold {wire} bytes, the summary says {record.summary.total_bytes}")
+    return problems
+
+
+
+def _spec(graph: JobGraph) -> list[str]:
+    placed: PlacedLayout = graph["placement"]
+    return check_weight_sync(graph["weight_sync"], placed.problem, placed.chosen)
+
+
+@compiler_pass("weight_sync", requires=("placement",), ensures=("weight_sync",), spec=_spec)
+def weight_sync(graph: JobGraph, ctx: CompileContext) -> JobGraph:
+    """How each new policy version reaches the generator: DDMA copy or in-place gather."""
+    placed: PlacedLayout = graph["placement"]
+    return graph.with_attr("weight_sync", plan_policy_sync(placed.problem, placed.chosen_eval, placed.chosen))
+
+__all__ = ["weight_sync", "DDMA_BUCKET_BYTES", "MAX_STORED_BUCKETS", "WeightSyncPlan", "check_weight_sync", "ddma_record",
+           "plan_policy_sync"]

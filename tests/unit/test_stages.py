@@ -1,0 +1,125 @@
+"""The compiler's stages: the design's nine passes in order, each stage's spec holds on every example
+job, and each spec catches the mistake it exists for, reported under the pass that made it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+
+from click.testing import CliRunner
+
+from graphrl.cli import main
+from graphrl.compiler import passes
+from graphrl.ir import build_graph
+from graphrl.loader import job_cluster, load_job
+from graphrl.schemas.program import Recv
+from graphrl.compiler.hardware import resolve_hardware
+from graphrl.compiler.offload import RoleOffload
+from graphrl.compiler.passes import CompileContext, PassFailure, run_passes
+from graphrl.compiler.pipeline import PIPELINE
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _compile(name: str, passes=PIPELINE, **options):  # noqa: ANN001, ANN202
+    job = load_job(str(EXAMPLES / name))
+    cluster = job_cluster(job, None)
+    ctx = CompileContext(job.spec, cluster, resolve_hardware(cluster), {"steps": 8, **options})
+    return run_passes(build_graph(job.spec), ctx, passes, check=True)
+
+
+def test_the_pipeline_is_the_designs_nine_passes() -> None:
+    assert [p.name for p in PIPELINE] == ["typecheck", "annotate_costs", "placement", "offload", "reshard",
+                                          "weight_sync", "schedule", "lower", "verify"]
+    # Every pass after placement reads only what the passes before it ensured.
+    ensured: set[str] = set()
+    for p in PIPELINE:
+        assert set(p.requires) <= ensured, p.name
+        ensured |= set(p.ensures)
+
+
+# Colocated without offload (grpo), disaggregated async with DDMA (aipo), a critic (ppo), paper scale.
+@pytest.mark.parametrize("name", ["grpo_tiny.yaml", "aipo_async_tiny.yaml", "ppo_tiny.yaml", "llama3_8b.yaml"])
+def test_every_stage_spec_holds_on_the_examples(name: str) -> None:
+    graph = _compile(name)
+    for p in PIPELINE:
+        if p.spec is not None:
+            assert p.spec(graph) == [], p.name
+    assert graph["weight_sync"].kind in ("in_place", "ddma")
+
+
+def _corrupting(pass_name: str, corrupt):  # noqa: ANN001, ANN202
+    """The pipeline with one pass's output spoiled by `corrupt(graph) -> graph`."""
+    def spoil(p):  # noqa: ANN001, ANN202
+        return dataclasses.replace(p, fn=lambda g, c: corrupt(p.fn(g, c)))
+    return tuple(spoil(p) if p.name == pass_name else p for p in PIPELINE)
+
+
+def _replace_attr(graph, name: str, **changes):  # noqa: ANN001, ANN202
+    return graph.with_attr(name, dataclasses.replace(graph[name], **changes))
+
+
+def _drop_first_transfer(graph):  # noqa: ANN001, ANN202
+    return _replace_attr(graph, "reshard", transfers=graph["reshard"].transfers[1:])
+
+
+def _double_offload_bytes(graph):  # noqa: ANN001, ANN202
+    roles = {r: RoleOffload(o.state, 2 * o.num_bytes + 1) for r, o in graph["offload"].roles.items()}
+    return _replace_attr(graph, "offload", roles=MappingProxyType(roles))
+
+
+def _same_sender_twice_in_a_round(graph):  # noqa: ANN001, ANN202
+    record = graph["weight_sync"].record
+    first = record.rounds[0][0]
+    rounds = [[first, first._replace(dst=first.dst + 1)]] + record.rounds[1:]
+    return _replace_attr(graph, "weight_sync", record=record.model_copy(update={"rounds": rounds}))
+
+
+def _drop_a_receive(graph):  # noqa: ANN001, ANN202
+    sched = graph["schedule"]
+    transcripts = {}
+    for n, streams in sched.transcripts.items():
+        rank = next(r for r, s in enumerate(streams) if any(isinstance(i, Recv) for i in s))
+        stream = list(streams[rank])
+        stream.remove(next(i for i in stream if isinstance(i, Recv)))
+        transcripts[n] = streams[:rank] + (tuple(stream),) + streams[rank + 1:]
+    return _replace_attr(graph, "schedule", transcripts=MappingProxyType(transcripts))
+
+
+def _drop_a_body_instruction(graph):  # noqa: ANN001, ANN202
+    programs = graph["programs"]
+    rank = next(r for r, p in enumerate(programs.ranks) if p.body)
+    ranks = list(programs.ranks)
+    ranks[rank] = dataclasses.replace(ranks[rank], body=ranks[rank].body[1:])
+    return graph.with_attr("programs", dataclasses.replace(programs, ranks=ranks))
+
+
+@pytest.mark.parametrize("stage, corrupt, example, reason", [
+    ("reshard", _drop_first_transfer, "aipo_async_tiny.yaml", "needs responses"),
+    ("offload", _double_offload_bytes, "llama3_8b.yaml", "its placement holds"),
+    ("weight_sync", _same_sender_twice_in_a_round, "aipo_async_tiny.yaml", "sends or receives twice"),
+    ("schedule", _drop_a_receive, "aipo_async_tiny.yaml", "do not pair up"),
+    ("lower", _drop_a_body_instruction, "grpo_tiny.yaml", "is not the schedule's transcript"),
+])
+def test_a_spoiled_stage_is_caught_by_its_spec_under_its_name(stage, corrupt, example, reason) -> None:  # noqa: ANN001
+    graph = _compile(example, passes=PIPELINE[:PIPELINE.index(next(p for p in PIPELINE if p.name == stage)) + 1])
+    assert stage != "offload" or graph["offload"].roles, f"{example}'s layout offloads nothing"
+    assert stage != "reshard" or graph["reshard"].transfers, f"{example}'s layout moves no responses"
+    with pytest.raises(PassFailure) as err:
+        _compile(example, passes=_corrupting(stage, corrupt))
+    assert err.value.pass_name == stage
+    assert reason in str(err.value)
+
+
+def test_debug_compile_checks_every_stage(monkeypatch) -> None:  # noqa: ANN001
+    checked: list[int] = []
+    real = passes.check_invariants
+    monkeypatch.setattr(passes, "check_invariants", lambda g: checked.append(1) or real(g))
+    plain = CliRunner().invoke(main, ["compile", str(EXAMPLES / "grpo_tiny.yaml"), "--plan", "--format", "json"])
+    assert plain.exit_code == 0 and not checked
+    debug = CliRunner().invoke(main, ["--debug", "compile", str(EXAMPLES / "grpo_tiny.yaml"), "--plan", "--format", "json"])
+    assert debug.exit_code == 0, debug.output
+    assert len(checked) == len(PIPELINE)
