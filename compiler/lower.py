@@ -4,21 +4,18 @@ Each rank's run is a prologue, a body of one step whose instructions carry their
 version as offsets from the loop counter, and an epilogue. The loop is folded from the schedule's
 transcripts of two lengths (the longer is the shorter with one more body iteration in the middle) and
 checked against a third before it is trusted. Predicted durations per (instruction kind, role) are
-attached here, from the placement's cost model.
+attached here: placement's for the layout, and the weight-sync pass's for a DDMA copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from graphrl.ir import JobGraph
-from graphrl.schemas.plan import Layout
 from graphrl.schemas.program import CostKey, Instruction, Programs, RankProgram, shift
 
 from graphrl.compiler.passes import CompileContext, compiler_pass
-from graphrl.compiler.placement import Evaluated, Problem, generation_time, role_times
 from graphrl.compiler.schedule import Schedule
 from graphrl.compiler.weight_sync import WeightSyncPlan
 
@@ -76,23 +73,11 @@ def _fold_rank(x: list[Instruction], y: list[Instruction], steps: int) -> RankPr
     return RankProgram(x[:cut], body, epilogue, first=first, tail=steps - first - count)
 
 
-def predicted_durations(problem: Problem, ev: Evaluated, layout: Layout, sync: WeightSyncPlan) -> dict[CostKey, float]:
-    """Seconds of each (instruction kind, role) on `layout`: what the simulator charges."""
-    durations = dict(role_times(problem, ev.train))
-    overhead = problem.hw.op_overhead_s
-    durations.update({CostKey("Rule"): overhead, CostKey("Advantage"): overhead, CostKey("Checkpoint"): overhead,
-                      CostKey("ReleaseWeights"): 0.0})
-    gen_role = problem.generator
-    if gen_role is not None and ev.gen is not None:
-        free = problem.usable
-        if layout.strategy == "colocated":
-            free = problem.usable - sum(p.memory_bytes.params + p.memory_bytes.grads + p.memory_bytes.optimizer
-                                        for p in layout.placements if p.kind != "generate")
-        res = generation_time(problem, ev.gen, free)
-        durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
-    if sync.kind == "in_place":
-        durations[CostKey("ReshardInPlace", problem.policy.model)] = sync.seconds
-    elif sync.kind == "ddma":
+def predicted_durations(placed: Mapping[CostKey, float], sync: WeightSyncPlan) -> dict[CostKey, float]:
+    """Seconds of each (instruction kind, role): placement's for the layout, with the DDMA copy's from
+    the weight-sync pass; what the simulator charges."""
+    durations = dict(placed)
+    if sync.kind == "ddma":
         durations[CostKey("WeightSync", sync.transfer)] = sync.seconds
     return durations
 
@@ -123,7 +108,7 @@ def lower(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """Each rank's typed program: prologue, periodic body, epilogue, with predicted durations."""
     placed: PlacedLayout = graph["placement"]
     sync = graph["weight_sync"]
-    durations = predicted_durations(placed.problem, placed.chosen_eval, placed.chosen, sync)
+    durations = predicted_durations(placed.durations, sync)
     return graph.with_attr("programs", lower_schedule(graph["schedule"], sync, durations))
 
 __all__ = ["check_lowered", "lower", "lower_schedule", "predicted_durations"]

@@ -3,14 +3,16 @@ weight_sync.py, schedule.py, lower.py and verify.py)."""
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 from graphrl.ir import JobGraph
+from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
 from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.placed import PlacedLayout
-from graphrl.compiler.placement import Evaluated, Problem, make_problem, search, summaries, to_layout
+from graphrl.compiler.placement import Evaluated, Problem, layout_durations, make_problem, search, summaries, to_layout
 from graphrl.compiler.roles import derive_roles, derive_workload
 from graphrl.compiler.programs import build_programs
 from graphrl.compiler.simulate import run_programs
@@ -39,7 +41,8 @@ def annotate_costs(graph: JobGraph, ctx: CompileContext) -> JobGraph:
 
 def simulated_step_time(graph: JobGraph, problem: Problem, ev: Evaluated, steps: int) -> float:
     layout = to_layout(problem, ev)
-    programs = build_programs(graph, problem, ev, layout, steps=steps, checkpoint_every=0)
+    programs = build_programs(graph, problem.shape, layout, layout_durations(problem, ev, layout), steps=steps,
+                              checkpoint_every=0)
     return run_programs(programs, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
 
 
@@ -50,23 +53,29 @@ def _with_estimate(layout, seconds: float):  # noqa: ANN001, ANN202
 
 def check_placement(graph: JobGraph) -> list[str]:
     """The stage's spec: every role is placed once, on devices of the cluster, and its peak memory
-    fits a device; the chosen layout is among the candidates considered."""
+    fits a device; some candidate was considered; each role's main instruction has a finite predicted
+    duration."""
     placed: PlacedLayout = graph["placement"]
-    layout, problem = placed.chosen, placed.problem
+    layout, shape = placed.chosen, placed.shape
     problems = []
     roles = [p.role for p in layout.placements]
-    expected = sorted(r.name for r in problem.roles)
+    expected = sorted(r.name for r in shape.roles)
     if sorted(roles) != expected:
         problems.append(f"placed roles {sorted(roles)}, the job has {expected}")
     for p in layout.placements:
         mesh = layout.role_mesh(p)
-        if not set(mesh.devices) <= set(range(problem.num_devices)):
-            problems.append(f"role {p.role} is placed on devices outside the cluster's {problem.num_devices}")
+        if not set(mesh.devices) <= set(range(shape.num_devices)):
+            problems.append(f"role {p.role} is placed on devices outside the cluster's {shape.num_devices}")
         if p.memory_bytes.total > placed.usable_bytes:
             problems.append(f"role {p.role} needs {p.memory_bytes.total:.3g} bytes per device, "
                             f"{placed.usable_bytes:.3g} are usable")
     if placed.candidates_considered < 1:
         problems.append("no candidate was considered")
+    needed = {"train": "TrainStep", "infer": "Forward", "generate": "Generate"}
+    for role in shape.roles:
+        key = CostKey(needed[role.kind], role.name)
+        if not 0 <= placed.durations.get(key, -1.0) < math.inf:
+            problems.append(f"no finite predicted duration for {key}")
     return problems
 
 
@@ -88,9 +97,12 @@ def place(graph: JobGraph, ctx: CompileContext) -> JobGraph:
         chosen = _with_estimate(to_layout(problem, best), seconds)
         if result.baseline is not None:
             baseline = _with_estimate(baseline, simulated_step_time(graph, problem, result.baseline, SIMULATE_RANKING_STEPS))
-    placed = PlacedLayout(problem=problem, chosen_eval=best, baseline_eval=result.baseline, ranking=method,
-                          chosen=chosen, baseline=baseline, candidates_considered=result.considered,
-                          candidates=tuple(summaries(result)))
+    placed = PlacedLayout(
+        shape=problem.shape, ranking=method,
+        chosen=chosen, durations=MappingProxyType(layout_durations(problem, best, chosen)),
+        baseline=baseline, baseline_durations=MappingProxyType(layout_durations(problem, result.baseline, baseline))
+        if result.baseline is not None and baseline is not None else None,
+        candidates_considered=result.considered, candidates=tuple(summaries(result)))
     return graph.with_attr("placement", placed)
 
 

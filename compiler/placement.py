@@ -43,7 +43,7 @@ from graphrl.schemas.plan import (
 from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
-from graphrl.compiler.roles import Role, Workload, derive_roles, derive_workload
+from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 
 GB = 1e9
@@ -167,6 +167,11 @@ class Problem:
 
     def hint(self, role: str) -> RoleHint:
         return self.hints.roles.get(role, RoleHint())
+
+    @property
+    def shape(self) -> JobShape:
+        """What the passes after placement may read of the problem."""
+        return JobShape(self.roles, self.workload, self.num_devices, self.per_node, self.hw)
 
     def spans(self, first: int, n: int) -> bool:
         return cost.group_spans_nodes(range(first, first + n), self.per_node)
@@ -678,11 +683,24 @@ def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
                        kv_cache=m.kv_cache)
 
 
-def policy_meshes(p: Problem, layout: Layout) -> tuple[Mesh, Mesh | None]:
-    """(the policy trainer's mesh, the generator's mesh or None) of a layout."""
-    by_role = {pl.role: pl for pl in layout.placements}
-    train = layout.role_mesh(by_role[p.policy.name])
-    return train, (layout.role_mesh(by_role[p.generator.name]) if p.generator else None)
+def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey, float]:
+    """Predicted seconds of each (instruction kind, role) on a candidate's layout, from the cost model:
+    every role's forward and update, generation, the in-place reshard of a colocated policy, and the
+    per-job kinds. Weight syncs by DDMA are timed by their own planner (compiler/weight_sync.py)."""
+    durations = dict(role_times(p, ev.train))
+    overhead = p.hw.op_overhead_s
+    durations.update({CostKey("Rule"): overhead, CostKey("Advantage"): overhead, CostKey("Checkpoint"): overhead,
+                      CostKey("ReleaseWeights"): 0.0})
+    gen_role = p.generator
+    if gen_role is not None and ev.gen is not None:
+        free = p.usable
+        if layout.strategy == "colocated":
+            free = p.usable - sum(pl.memory_bytes.params + pl.memory_bytes.grads + pl.memory_bytes.optimizer
+                                  for pl in layout.placements if pl.kind != "generate")
+            durations[CostKey("ReshardInPlace", p.policy.model)] = reshard_in_place_time(p, ev.train, ev.gen)[0]
+        res = generation_time(p, ev.gen, free)
+        durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
+    return durations
 
 
 def to_layout(p: Problem, ev: Evaluated) -> Layout:

@@ -123,7 +123,7 @@ def reshard(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """Each step's responses, repartitioned from the generator replicas to the trainer's ranks."""
     placed: PlacedLayout = graph["placement"]
     train, gen = placed.meshes()
-    w = placed.problem.workload
+    w = placed.shape.workload
     group = next(n for n in graph.nodes() if n.op == "generate").spec.samples_per_prompt
     return graph.with_attr("reshard", plan_reshard(gen, train, w.responses, group, w.seq_len))
 

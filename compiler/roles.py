@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from graphrl.errors import JobError
 from graphrl.ir import JobGraph
+from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
-
-from graphrl.schemas.plan import RoleKind
+from graphrl.schemas.plan import Layout, RoleKind
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -50,6 +51,44 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.responses * self.seq_len
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What every layout of one job on one cluster shares: the passes after placement read this and
+    a layout, never the search's own records."""
+
+    roles: tuple[Role, ...]
+    """The job's roles, trained models first."""
+    workload: Workload
+    """The sizes of one RL step."""
+    num_devices: int
+    """Devices of the cluster."""
+    devices_per_node: int
+    """Devices that share one node's fast links."""
+    hardware: HardwareSpec
+    """The device type every mesh runs on."""
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory a device may fill (capacity less the reserve)."""
+        return self.hardware.usable_memory_bytes
+
+    @property
+    def policy(self) -> Role:
+        """The first trained role: the one whose weights the generator samples with."""
+        return next(r for r in self.roles if r.kind == "train")
+
+    @property
+    def generator(self) -> Role | None:
+        """The generation role, when the job generates."""
+        return next((r for r in self.roles if r.kind == "generate"), None)
+
+    def policy_meshes(self, layout: Layout) -> tuple[Mesh, Mesh | None]:
+        """(the policy trainer's mesh, the generator's mesh or None) of a layout."""
+        by_role = {pl.role: pl for pl in layout.placements}
+        gen = self.generator
+        return layout.role_mesh(by_role[self.policy.name]), (layout.role_mesh(by_role[gen.name]) if gen else None)
 
 
 def generation_role(model: str) -> str:

@@ -43,7 +43,7 @@ from graphrl.schemas.program import (
 
 from graphrl.compiler.offload import OffloadPlan
 from graphrl.compiler.passes import CompileContext, compiler_pass
-from graphrl.compiler.placement import Problem, policy_meshes
+from graphrl.compiler.roles import JobShape
 from graphrl.compiler.reshard import ReshardPlan, split_range
 from graphrl.compiler.weight_sync import WeightSyncPlan
 
@@ -84,7 +84,7 @@ class Schedule:
     out); None: `transcripts[steps]` is the whole run."""
 
 
-def build_schedule(graph: JobGraph, problem: Problem, layout: Layout, offload: OffloadPlan, reshard: ReshardPlan,
+def build_schedule(graph: JobGraph, shape: JobShape, layout: Layout, offload: OffloadPlan, reshard: ReshardPlan,
                    sync: WeightSyncPlan, *, steps: int, mode: str | None = None,
                    checkpoint_every: int | None = None, periodic: bool = True) -> Schedule:
     """The schedule of the job's stages on `layout` for a run of `steps` steps."""
@@ -94,16 +94,16 @@ def build_schedule(graph: JobGraph, problem: Problem, layout: Layout, offload: O
     every = job.schedule.checkpoint_every if checkpoint_every is None else checkpoint_every
     warm = fold_length(staleness if mode == "async" else 0)
     lengths = (warm, warm + 1, warm + 2) if periodic and steps >= warm else (steps,)
-    groups = _groups(problem, layout)
-    transcripts = {n: _transcript(graph, problem, layout, offload, reshard, sync, groups, n, mode, staleness)
+    groups = _groups(shape, layout)
+    transcripts = {n: _transcript(graph, shape, layout, offload, reshard, sync, groups, n, mode, staleness)
                    for n in lengths}
     return Schedule(steps, mode, staleness, every, MappingProxyType(groups), MappingProxyType(transcripts),
                     warm if len(lengths) > 1 else None)
 
 
-def _groups(problem: Problem, layout: Layout) -> dict[str, tuple[int, ...]]:
-    train, gen = policy_meshes(problem, layout)
-    groups: dict[str, tuple[int, ...]] = {"all": tuple(range(problem.num_devices)), "trainer": train.ranks()}
+def _groups(shape: JobShape, layout: Layout) -> dict[str, tuple[int, ...]]:
+    train, gen = shape.policy_meshes(layout)
+    groups: dict[str, tuple[int, ...]] = {"all": tuple(range(shape.num_devices)), "trainer": train.ranks()}
     if gen is not None:
         for j in range(gen.data_parallel):
             groups[f"gen.{j}"] = gen.ranks_of_data_index(j)
@@ -170,16 +170,16 @@ def _trainer_step(graph: JobGraph, step: int, train: Mesh, responses: int, group
                 out.emit(ranks, Offload(role, off.state, off.num_bytes))
 
 
-def _transcript(graph: JobGraph, problem: Problem, layout: Layout, offload: OffloadPlan, reshard: ReshardPlan,
+def _transcript(graph: JobGraph, shape: JobShape, layout: Layout, offload: OffloadPlan, reshard: ReshardPlan,
                 sync: WeightSyncPlan, groups: dict[str, tuple[int, ...]], steps: int, mode: str,
                 staleness: int) -> Streams:
     """`steps` steps of the job on `layout`, one instruction stream per rank."""
-    out = _Streams(problem.num_devices)
-    train, gen = policy_meshes(problem, layout)
-    gen_role = problem.generator
+    out = _Streams(shape.num_devices)
+    train, gen = shape.policy_meshes(layout)
+    gen_role = shape.generator
     gen_node = next(n for n in graph.nodes() if n.op == "generate")
     group, responses = reshard.group, reshard.responses
-    policy, model = problem.policy, problem.policy.model
+    policy, model = shape.policy, shape.policy.model
     # Which versions some generate uses, and where each is first needed.
     versions = [version_for(i, mode, staleness) for i in range(steps)]
     first_use = {v: versions.index(v) for v in sorted(set(versions))}
@@ -192,7 +192,7 @@ def _transcript(graph: JobGraph, problem: Problem, layout: Layout, offload: Offl
     if sync.kind == "none":
         for i in range(steps):
             _trainer_step(graph, i, train, responses, group, offload, out)
-            out.emit(range(problem.num_devices), Checkpoint(i, "all"))
+            out.emit(range(shape.num_devices), Checkpoint(i, "all"))
     elif sync.kind == "in_place":
         for i in range(steps):
             if i == 0:
@@ -203,7 +203,7 @@ def _transcript(graph: JobGraph, problem: Problem, layout: Layout, offload: Offl
             out.emit(gen.ranks(), ReleaseWeights(gen_role.name))
             _reshard(i, reshard, out)
             _trainer_step(graph, i, train, responses, group, offload, out)
-            out.emit(range(problem.num_devices), Checkpoint(i, "all"))
+            out.emit(range(shape.num_devices), Checkpoint(i, "all"))
     else:
         # Generator: sync a version when first needed, generate, send.
         for i in range(steps):
@@ -280,7 +280,7 @@ def schedule(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """The order of every rank's instructions: versions per step, syncs, reshards, offloads, checkpoints."""
     placed: PlacedLayout = graph["placement"]
     steps = int(ctx.options.get("steps") or graph.job.schedule.steps)
-    result = build_schedule(graph, placed.problem, placed.chosen, graph["offload"], graph["reshard"],
+    result = build_schedule(graph, placed.shape, placed.chosen, graph["offload"], graph["reshard"],
                             graph["weight_sync"], steps=steps, mode=ctx.options.get("mode"))
     return graph.with_attr("schedule", result)
 

@@ -77,7 +77,7 @@ def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Pa
             progress(f"the same placement, {other}")
             other_s = step_time(placed.programs(graph, steps=steps, mode=other))
             sync_s, async_s = (other_s, chosen.step_time_s) if other == "sync" else (chosen.step_time_s, other_s)
-        if placed.baseline_eval is not None:
+        if placed.baseline is not None:
             progress("the baseline layout")
             baseline_s = step_time(placed.programs(graph, baseline=True, steps=steps, mode="sync"))
     elif plan.baseline is not None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Mapping
 
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
+from graphrl.schemas.program import CostKey
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
 
@@ -24,7 +25,7 @@ from graphrl.compiler import cost
 from graphrl.compiler.ddma import plan_summary, plan_weight_sync
 from graphrl.compiler.layout import llama_param_layout, llama_params
 from graphrl.compiler.passes import CompileContext, compiler_pass
-from graphrl.compiler.placement import Evaluated, Problem, policy_meshes, reshard_in_place_time
+from graphrl.compiler.roles import JobShape
 
 if TYPE_CHECKING:
     from graphrl.compiler.placed import PlacedLayout
@@ -49,18 +50,20 @@ class WeightSyncPlan:
     """The DDMA plan the executors run (`ddma` only)."""
 
 
-def plan_policy_sync(problem: Problem, ev: Evaluated, layout: Layout) -> WeightSyncPlan:
-    """The policy's weight sync on `layout`."""
-    policy = problem.policy
+def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey, float]) -> WeightSyncPlan:
+    """The policy's weight sync on `layout`: a colocated gather timed by placement (`durations`), or a
+    DDMA copy planned and timed here."""
+    policy = shape.policy
     transfer = f"{policy.model}:trainer->generator"
-    gen_role = problem.generator
-    if gen_role is None or ev.gen is None:
+    gen_role = shape.generator
+    if gen_role is None:
         return WeightSyncPlan("none", transfer, 0.0)
     if layout.strategy == "colocated":
-        return WeightSyncPlan("in_place", transfer, reshard_in_place_time(problem, ev.train, ev.gen)[0])
-    train, gen = policy_meshes(problem, layout)
+        return WeightSyncPlan("in_place", transfer, durations[CostKey("ReshardInPlace", policy.model)])
+    train, gen = shape.policy_meshes(layout)
     precision = next(p.precision for p in layout.placements if p.role == gen_role.name)
-    record, seconds = ddma_record(policy.dims, policy.model, problem.hw, problem.per_node, train, gen, precision)
+    record, seconds = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
+                                  precision)
     return WeightSyncPlan("ddma", transfer, seconds, record)
 
 
@@ -94,11 +97,11 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
     return record, seconds
 
 
-def check_weight_sync(plan: WeightSyncPlan, problem: Problem, layout: Layout) -> list[str]:
+def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> list[str]:
     """The stage's spec: the kind matches the strategy; a DDMA record copies between the layout's own
     meshes, no rank sends or receives twice in a round, every bucket stays within the size limit, and
     the stored buckets add up to the summary's bytes."""
-    gen_role = problem.generator
+    gen_role = shape.generator
     expected = "none" if gen_role is None else ("in_place" if layout.strategy == "colocated" else "ddma")
     if plan.kind != expected:
         return [f"a {layout.strategy} layout{'' if gen_role else ' without a generator'} syncs weights "
@@ -109,7 +112,7 @@ def check_weight_sync(plan: WeightSyncPlan, problem: Problem, layout: Layout) ->
     if plan.kind != "ddma":
         return [] if record is None else ["a record for a sync that is not DDMA"]
     assert record is not None
-    train, gen = policy_meshes(problem, layout)
+    train, gen = shape.policy_meshes(layout)
     problems = []
     if record.src != train:
         problems.append("the record's source mesh is not the trainer's mesh")
@@ -132,14 +135,14 @@ def check_weight_sync(plan: WeightSyncPlan, problem: Problem, layout: Layout) ->
 
 def _spec(graph: JobGraph) -> list[str]:
     placed: PlacedLayout = graph["placement"]
-    return check_weight_sync(graph["weight_sync"], placed.problem, placed.chosen)
+    return check_weight_sync(graph["weight_sync"], placed.shape, placed.chosen)
 
 
 @compiler_pass("weight_sync", requires=("placement",), ensures=("weight_sync",), spec=_spec)
 def weight_sync(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """How each new policy version reaches the generator: DDMA copy or in-place gather."""
     placed: PlacedLayout = graph["placement"]
-    return graph.with_attr("weight_sync", plan_policy_sync(placed.problem, placed.chosen_eval, placed.chosen))
+    return graph.with_attr("weight_sync", plan_policy_sync(placed.shape, placed.chosen, placed.durations))
 
 __all__ = ["weight_sync", "DDMA_BUCKET_BYTES", "MAX_STORED_BUCKETS", "WeightSyncPlan", "check_weight_sync", "ddma_record",
            "plan_policy_sync"]

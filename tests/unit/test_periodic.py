@@ -107,17 +107,18 @@ def _tiny_inputs():
     job = load_job(EXAMPLES / "grpo_tiny.yaml")
     graph = graph_for(job, steps=2)
     pl = graph["placement"]
-    return graph, pl.problem, pl.chosen_eval, pl.chosen
+    return graph, pl.shape, pl.chosen, pl.durations
 
 
 def test_periodic_and_unrolled_simulate_the_same_step_time():
     """The simulator over the periodic plan's window gives the unrolled run's steady-state step time."""
-    graph, problem, ev, layout = _tiny_inputs()
-    periodic = build_programs(graph, problem, ev, layout, steps=400)
-    unrolled = build_programs(graph, problem, ev, layout, steps=400, periodic=False)
+    graph, shape, layout, durations = _tiny_inputs()
+    periodic = build_programs(graph, shape, layout, durations, steps=400)
+    unrolled = build_programs(graph, shape, layout, durations, steps=400, periodic=False)
     window = periodic.with_steps(periodic.window_steps(16))
-    a = run_programs(window, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
-    b = run_programs(unrolled, hw=problem.hw, devices_per_node=problem.per_node, timed=True).step_time_s
+    hw, per_node = shape.hardware, shape.devices_per_node
+    a = run_programs(window, hw=hw, devices_per_node=per_node, timed=True).step_time_s
+    b = run_programs(unrolled, hw=hw, devices_per_node=per_node, timed=True).step_time_s
     assert a == pytest.approx(b, rel=5e-3)
 
 

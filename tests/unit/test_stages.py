@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from graphrl.cli import main
-from graphrl.compiler import passes
+from graphrl.compiler import passes, placement
 from graphrl.ir import build_graph
 from graphrl.loader import job_cluster, load_job
-from graphrl.schemas.program import Recv
+from graphrl.schemas.program import CostKey, Recv
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.offload import RoleOffload
 from graphrl.compiler.passes import CompileContext, PassFailure, run_passes
@@ -51,6 +51,18 @@ def test_every_stage_spec_holds_on_the_examples(name: str) -> None:
     assert graph["weight_sync"].kind in ("in_place", "ddma")
 
 
+def test_placement_hands_on_typed_records_not_the_search() -> None:
+    """The passes after placement read the job's shape, the layouts and their durations: nothing of the
+    search's own records (`Problem`, `Evaluated`) leaves the placement pass."""
+    placed = _compile("aipo_async_tiny.yaml")["placement"]
+    private = (placement.Problem, placement.Evaluated, placement.TrainCfg, placement.GenCfg)
+    for f in dataclasses.fields(placed):
+        assert not isinstance(getattr(placed, f.name), private), f.name
+    assert {k.kind for k in placed.durations} >= {"TrainStep", "Generate", "Rule", "Checkpoint"}
+    assert all(isinstance(k, CostKey) for k in placed.durations)
+    assert placed.shape.generator is not None and placed.meshes()[1] is not None
+
+
 def _corrupting(pass_name: str, corrupt):  # noqa: ANN001, ANN202
     """The pipeline with one pass's output spoiled by `corrupt(graph) -> graph`."""
     def spoil(p):  # noqa: ANN001, ANN202
@@ -60,6 +72,11 @@ def _corrupting(pass_name: str, corrupt):  # noqa: ANN001, ANN202
 
 def _replace_attr(graph, name: str, **changes):  # noqa: ANN001, ANN202
     return graph.with_attr(name, dataclasses.replace(graph[name], **changes))
+
+
+def _forget_the_generation_time(graph):  # noqa: ANN001, ANN202
+    durations = {k: v for k, v in graph["placement"].durations.items() if k.kind != "Generate"}
+    return _replace_attr(graph, "placement", durations=MappingProxyType(durations))
 
 
 def _drop_first_transfer(graph):  # noqa: ANN001, ANN202
@@ -98,6 +115,7 @@ def _drop_a_body_instruction(graph):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("stage, corrupt, example, reason", [
+    ("placement", _forget_the_generation_time, "grpo_tiny.yaml", "no finite predicted duration for Generate"),
     ("reshard", _drop_first_transfer, "aipo_async_tiny.yaml", "needs responses"),
     ("offload", _double_offload_bytes, "llama3_8b.yaml", "its placement holds"),
     ("weight_sync", _same_sender_twice_in_a_round, "aipo_async_tiny.yaml", "sends or receives twice"),
