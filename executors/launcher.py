@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -105,6 +106,10 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
                          daemon=False)
              for r in range(world)]
     started = time.perf_counter()
+    # A launcher ended by SIGTERM (a job scheduler, `kill`) ends its ranks too: the handler turns the
+    # signal into an exception, so the `finally` below runs instead of leaving orphaned ranks.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     for p in procs:
         p.start()
     offset = 0
@@ -131,8 +136,13 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
                 failure = (-1, f"the run exceeded its time limit of {timeout_s:.0f} s")
                 break
             time.sleep(0.1)
+    except Terminated:
+        failure = (-1, "the launcher was sent SIGTERM; every rank was ended (--resume continues from the last "
+                       "checkpoint)")
     finally:
         _end_all(procs)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     rows, offset = _read_metrics(metrics_path, offset)
     for row in rows:
         steps_done += 1
@@ -144,6 +154,14 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
         where = f"rank {rank}" if rank >= 0 else "the run"
         raise RunError(f"{where} failed: {message}", fix=f"see {errors} for every rank's traceback" if rank >= 0 else None)
     return RunOutcome(out_dir, steps_done, time.perf_counter() - started)
+
+
+class Terminated(Exception):
+    """The launcher received SIGTERM."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:  # noqa: ARG001
+    raise Terminated("terminated by SIGTERM")
 
 
 def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int, str]:

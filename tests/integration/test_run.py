@@ -127,6 +127,26 @@ def test_killed_rank_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
     assert "policy" in state["roles"] and state["roles"]["policy"]["weights"]
 
 
+def test_terminated_launcher_ends_its_ranks(tmp_path):
+    """SIGTERM to `graphrl run` (a scheduler's preemption, `kill`) ends every rank, not just the parent."""
+    import signal
+    import time
+
+    job = job_file(tmp_path, "grpo_tiny.yaml", **{"  steps: 400": "  steps: 400\n  checkpoint_every: 1"})
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "graphrl.cli", "run", str(job), "--out", str(out), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no step"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "SIGTERM" in err and "Traceback" not in err
+    assert _no_rank_processes_left(out)
+
+
 def test_two_torchrun_nodes_on_loopback(tmp_path):
     cluster = tmp_path / "two_nodes.yaml"
     cluster.write_text("name: two-nodes\nnum_nodes: 2\ndevices_per_node: 1\nhardware: cpu-local\nbackend: gloo\n")
