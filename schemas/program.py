@@ -171,6 +171,28 @@ class Checkpoint:
     kind: ClassVar[str] = "collective"
 
 
+# What each instruction field means; one entry per field name, shared by every kind that has it (the plan
+# format's reference: `graphrl inspect` and the README's plan section use the same words).
+FIELD_DOCS: dict[str, str] = {
+    "step": "RL step the instruction belongs to (in a body: an offset from the loop counter)",
+    "node": "the job graph node it executes",
+    "role": "the role whose weights it uses or moves ('' for a rule-based reward)",
+    "version": "policy weight version it uses (Generate), produces (TrainStep) or copies (syncs)",
+    "start": "first response index of the batch slice it covers",
+    "stop": "one past the last response index of that slice",
+    "group": "the named rank group that runs it together (Programs.groups)",
+    "what": "the data a point-to-point transfer carries ('rollouts')",
+    "peer": "the rank on the other end of the transfer",
+    "num_bytes": "bytes moved (transfer) or offloaded/onloaded (memory)",
+    "tag": "message tag pairing this send with its receive",
+    "state": "which of params, grads, optimizer it moves between device and host",
+    "model": "the model whose weights are synced",
+    "transfer": "the weight-sync plan's id in Programs.weight_syncs",
+    "src_role": "role the weights are gathered from",
+    "dst_role": "role the gathered weights are for",
+}
+
+
 Instruction = Union[Generate, Logprob, Value, Reward, Advantage, TrainStep, Send, Recv, Offload, Onload,
                     WeightSync, ReshardInPlace, ReleaseWeights, Checkpoint]
 INSTRUCTION_TYPES: dict[str, type] = {t.__name__: t for t in Instruction.__args__}  # type: ignore[attr-defined]

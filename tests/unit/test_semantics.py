@@ -83,3 +83,14 @@ def test_a_missing_duration_is_a_compiler_bug_not_a_key_error():
         SEMANTICS[TrainStep].duration(TrainStep(0, "train", "policy", 0, 4, 1, "all"), Costs({}))
     assert SEMANTICS[TrainStep].duration(TrainStep(0, "train", "policy", 0, 4, 1, "all"),
                                          Costs({CostKey("TrainStep", "policy"): 2.5})) == 2.5
+
+
+def test_every_instruction_field_is_described() -> None:
+    """The plan format's reference covers every field of every instruction kind, and nothing stale."""
+    from dataclasses import fields
+
+    from graphrl.schemas.program import FIELD_DOCS, INSTRUCTION_TYPES
+
+    used = {f.name for t in INSTRUCTION_TYPES.values() for f in fields(t)}
+    assert used == set(FIELD_DOCS)
+    assert all(FIELD_DOCS[name].strip() for name in used)
