@@ -144,9 +144,16 @@ def validate(job: str, sets: tuple[str, ...]) -> None:
 
 @main.command()
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to a file.")
-def schema(output: Path | None) -> None:
-    """Print the JSON Schema of the job file (for editors: yaml-language-server)."""
-    text = json.dumps(JobSpec.model_json_schema(), indent=2)
+@click.option("--plan", "of_plan", is_flag=True,
+              help="The schema of a plan file's content instead (every record and instruction field described).")
+def schema(output: Path | None, of_plan: bool) -> None:
+    """Print the JSON Schema of the job file (for editors: yaml-language-server), or with --plan of a plan file."""
+    if of_plan:
+        from graphrl.schemas.plan import plan_json_schema
+
+        text = json.dumps(plan_json_schema(), indent=2)
+    else:
+        text = json.dumps(JobSpec.model_json_schema(), indent=2)
     if output is None:
         click.echo(text)
     else:

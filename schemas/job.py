@@ -58,7 +58,7 @@ class DatasetNode(_Node):
     """Source of prompts: a registered task (e.g. `digits-copy`), a `module:function` factory, or a
     JSON-lines / parquet file of prompts and answers tokenized by the generating model's tokenizer."""
 
-    op: Literal["dataset"] = "dataset"
+    op: Literal["dataset"] = Field(default="dataset", description="The node's operation.")
     task: str | None = Field(default=None, description="Registered task name or 'module:function' returning a task.")
     file: Path | None = Field(
         default=None, description="JSON lines (.jsonl) or parquet file of prompts and answers, relative to the job file."
@@ -82,7 +82,7 @@ class DatasetNode(_Node):
 class GenerateNode(_Node):
     """Sample responses from a model (KV-cache autoregressive decoding)."""
 
-    op: Literal["generate"] = "generate"
+    op: Literal["generate"] = Field(default="generate", description="The node's operation.")
     model: str = Field(description="Model whose weights generate.")
     samples_per_prompt: Integer = Field(default=1, gt=0, description="Responses per prompt (the GRPO group size).")
     max_new_tokens: Integer = Field(gt=0, description="Longest response in tokens.")
@@ -96,21 +96,21 @@ class GenerateNode(_Node):
 class LogprobNode(_Node):
     """Per-token log-probabilities of the responses under a model (reference or old policy)."""
 
-    op: Literal["logprob"] = "logprob"
+    op: Literal["logprob"] = Field(default="logprob", description="The node's operation.")
     model: str = Field(description="Model whose log-probabilities are computed.")
 
 
 class ValueNode(_Node):
     """Per-token value estimates from a critic."""
 
-    op: Literal["value"] = "value"
+    op: Literal["value"] = Field(default="value", description="The node's operation.")
     model: str = Field(description="Critic model.")
 
 
 class RewardNode(_Node):
     """Score each response: a registered rule function, a `module:function`, or a reward model."""
 
-    op: Literal["reward"] = "reward"
+    op: Literal["reward"] = Field(default="reward", description="The node's operation.")
     fn: str | None = Field(default=None, description="Registered reward rule name or 'module:function'.")
     model: str | None = Field(default=None, description="Reward model (instead of a rule function).")
     rules: dict[str, Real] = Field(
@@ -130,7 +130,7 @@ class RewardNode(_Node):
 class AdvantageNode(_Node):
     """Turn rewards (and values) into per-token advantages and returns."""
 
-    op: Literal["advantage"] = "advantage"
+    op: Literal["advantage"] = Field(default="advantage", description="The node's operation.")
     estimator: str = Field(description="Advantage estimator (see graphrl.schemas.algorithms).",
                            json_schema_extra={"enum": ESTIMATORS.names()})
     gamma: Real = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
@@ -146,7 +146,7 @@ class AdvantageNode(_Node):
 class TrainNode(_Node):
     """One optimizer update of a model per step."""
 
-    op: Literal["train"] = "train"
+    op: Literal["train"] = Field(default="train", description="The node's operation.")
     model: str = Field(description="Model whose weights are updated.")
     loss: str = Field(description="Loss function (see graphrl.schemas.algorithms).",
                       json_schema_extra={"enum": LOSSES.names()})

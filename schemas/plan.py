@@ -17,7 +17,7 @@ from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import JobSpec, Precision, Sharding
 from graphrl.schemas.mesh import Mesh
-from graphrl.schemas.program import Programs
+from graphrl.schemas.program import Programs, programs_json_schema
 
 # 3: meshes are one type (devices and named axes); weight syncs typed records.
 # 2: programs are periodic (prologue, one-step body, epilogue per rank); 1 unrolled every step.
@@ -109,10 +109,10 @@ class CandidateSummary(Frozen):
 class DeviceMemory(Frozen):
     """Peak memory of the devices of one mesh (all devices of a mesh hold the same amount)."""
 
-    mesh: str
-    peak_bytes: float
-    capacity_bytes: float
-    roles: list[str]
+    mesh: str = Field(description="Mesh name.")
+    peak_bytes: float = Field(description="Peak bytes per device over the step.")
+    capacity_bytes: float = Field(description="Usable bytes per device.")
+    roles: list[str] = Field(description="Roles whose state lives on these devices.")
 
 
 class Layout(Frozen):
@@ -120,11 +120,11 @@ class Layout(Frozen):
 
     strategy: Literal["colocated", "disaggregated"] = Field(description="Family of the layout.")
     label: str = Field(description="Short description.")
-    meshes: list[Mesh]
-    placements: list[RolePlacement]
-    operations: list[Operation]
-    device_memory: list[DeviceMemory]
-    estimate: StepEstimate
+    meshes: list[Mesh] = Field(description="Device meshes, each a set of devices with named axes.")
+    placements: list[RolePlacement] = Field(description="Where and how each role is laid out.")
+    operations: list[Operation] = Field(description="Operations the compiler inserted (syncs, reshards, offloads).")
+    device_memory: list[DeviceMemory] = Field(description="Peak memory per mesh.")
+    estimate: StepEstimate = Field(description="Predicted seconds per step.")
 
     def mesh(self, name: str) -> Mesh:
         for m in self.meshes:
@@ -142,9 +142,9 @@ class Plan(Frozen):
     """The compiler's output."""
 
     format_version: int = Field(default=PLAN_FORMAT_VERSION, description="Plan file format version.")
-    job: JobSpec
-    cluster: ClusterSpec
-    hardware: HardwareSpec
+    job: JobSpec = Field(description="The job as loaded and checked (overrides applied).")
+    cluster: ClusterSpec = Field(description="The cluster it was placed on.")
+    hardware: HardwareSpec = Field(description="The device model the costs were predicted with.")
     chosen: Layout = Field(description="The selected layout.")
     baseline: Layout | None = Field(default=None, description="The colocated-synchronous baseline layout.")
     candidates_considered: int = Field(ge=0, description="Number of layouts evaluated by the search.")
@@ -192,3 +192,31 @@ class Plan(Frozen):
             "candidates_considered": self.candidates_considered,
             "candidates": [c.model_dump() for c in self.candidates],
         }
+
+
+def plan_json_schema() -> dict[str, Any]:
+    """JSON Schema of a plan file's content (`graphrl schema --plan`): the msgpack holds `{"graphrl_plan":
+    format version, "plan": the plan's records, "programs": its per-rank programs}`, the programs in their
+    compact form with every instruction field described."""
+    plan = Plan.model_json_schema(mode="serialization")
+    defs = plan.pop("$defs")
+    del plan["properties"]["programs"]  # stored beside the plan, in the compact form
+    programs, program_defs = programs_json_schema()
+    for name, definition in program_defs.items():
+        if defs.setdefault(name, definition) != definition:
+            raise AssertionError(f"two schemas named {name!r} in the plan")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "graphrl plan file",
+        "description": "The content of a plan file written by `graphrl compile JOB -o PLAN` (msgpack of this).",
+        "type": "object",
+        "properties": {
+            "graphrl_plan": {"const": PLAN_FORMAT_VERSION, "description": "Plan file format version."},
+            "plan": plan,
+            "programs": {"anyOf": [programs, {"type": "null"}],
+                         "description": Plan.model_fields["programs"].description},
+        },
+        "required": ["graphrl_plan", "plan", "programs"],
+        "additionalProperties": False,
+        "$defs": defs,
+    }

@@ -1,9 +1,10 @@
 """Per-rank programs: ordered streams of small typed instructions with explicit operands.
 
-Instructions are frozen, slotted dataclasses rather than pydantic models: a 405B plan on 1024 ranks has
-hundreds of thousands of them, and the simulator and executors walk them in tight loops. On disk each
-is `[type name, field values...]` inside the plan's msgpack; decoding checks the type name, the arity
-and every field's type, so a plan file is data, never code.
+Instructions are frozen, slotted pydantic dataclasses in strict mode: every field is typed and described
+(`FIELD_DOCS`, the plan format's reference, also in `graphrl schema --plan`), construction validates in
+pydantic's core (no slower than a plain frozen dataclass), and the simulator and executors walk them as
+plain objects. On disk each is `[type name, field values...]` inside the plan's msgpack; decoding checks
+the type name, the arity and every field's type, so a plan file is data, never code.
 
 Operand conventions:
 - `step` is the RL step; responses of a step are numbered 0..N-1 and `start:stop` is a range of them.
@@ -17,162 +18,18 @@ Operand conventions:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, NamedTuple, Union
+from dataclasses import fields
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union, get_args
 
-from pydantic import ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 from graphrl.schemas.weightsync import WeightSyncRecord
 
-
-@dataclass(frozen=True, slots=True)
-class Generate:
-    step: int
-    node: str
-    role: str
-    version: int
-    start: int
-    stop: int
-    group: str
-    kind: ClassVar[str] = "compute"
-
-
-@dataclass(frozen=True, slots=True)
-class Logprob:
-    step: int
-    node: str
-    role: str
-    start: int
-    stop: int
-    group: str
-    kind: ClassVar[str] = "compute"
-
-
-@dataclass(frozen=True, slots=True)
-class Value:
-    step: int
-    node: str
-    role: str
-    start: int
-    stop: int
-    group: str
-    kind: ClassVar[str] = "compute"
-
-
-@dataclass(frozen=True, slots=True)
-class Reward:
-    step: int
-    node: str
-    role: str  # the reward model's role, or "" for a rule function
-    start: int
-    stop: int
-    group: str
-    kind: ClassVar[str] = "compute"
-
-
-@dataclass(frozen=True, slots=True)
-class Advantage:
-    step: int
-    node: str
-    start: int
-    stop: int
-    kind: ClassVar[str] = "compute"
-
-
-@dataclass(frozen=True, slots=True)
-class TrainStep:
-    step: int
-    node: str
-    role: str
-    start: int
-    stop: int
-    version: int  # the version this update produces (step + 1)
-    group: str
-    kind: ClassVar[str] = "compute"
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    step: int
-    what: str
-    start: int
-    stop: int
-    peer: int
-    num_bytes: int
-    tag: int
-    kind: ClassVar[str] = "p2p"
-
-
-@dataclass(frozen=True, slots=True)
-class Recv:
-    step: int
-    what: str
-    start: int
-    stop: int
-    peer: int
-    num_bytes: int
-    tag: int
-    kind: ClassVar[str] = "p2p"
-
-
-@dataclass(frozen=True, slots=True)
-class Offload:
-    role: str
-    state: tuple[str, ...]  # "params", "grads", "optimizer"
-    num_bytes: int
-    kind: ClassVar[str] = "memory"
-
-
-@dataclass(frozen=True, slots=True)
-class Onload:
-    role: str
-    state: tuple[str, ...]
-    num_bytes: int
-    kind: ClassVar[str] = "memory"
-
-
-@dataclass(frozen=True, slots=True)
-class WeightSync:
-    """DDMA: this rank's part of every transfer round that copies `model` version `version` from the
-    trainer layout to the generator layout (`Programs.weight_syncs[transfer]` holds the rounds)."""
-
-    model: str
-    version: int
-    transfer: str
-    group: str
-    kind: ClassVar[str] = "collective"
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardInPlace:
-    """Colocated: gather the generator's tensor-parallel weights from the trainer's shards on the same devices."""
-
-    model: str
-    version: int
-    src_role: str
-    dst_role: str
-    group: str
-    kind: ClassVar[str] = "collective"
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseWeights:
-    """Colocated: free the generator's gathered weights and KV cache after generation."""
-
-    role: str
-    kind: ClassVar[str] = "memory"
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    step: int
-    group: str
-    kind: ClassVar[str] = "collective"
-
-
 # What each instruction field means; one entry per field name, shared by every kind that has it (the plan
-# format's reference: `graphrl inspect` and the README's plan section use the same words).
+# format's reference: the pydantic field descriptions below, hence `graphrl schema --plan`, use these words).
 FIELD_DOCS: dict[str, str] = {
     "step": "RL step the instruction belongs to (in a body: an offset from the loop counter)",
     "node": "the job graph node it executes",
@@ -193,52 +50,241 @@ FIELD_DOCS: dict[str, str] = {
 }
 
 
+
+_STRICT = ConfigDict(strict=True)
+"""Instruction fields take exactly their type: no '3' for 3, no True for 1, no 3.0 for 3."""
+
+Step = Annotated[int, Field(description=FIELD_DOCS["step"])]
+Node = Annotated[str, Field(description=FIELD_DOCS["node"])]
+Role = Annotated[str, Field(description=FIELD_DOCS["role"])]
+Version = Annotated[int, Field(description=FIELD_DOCS["version"])]
+Start = Annotated[int, Field(ge=0, description=FIELD_DOCS["start"])]
+Stop = Annotated[int, Field(ge=0, description=FIELD_DOCS["stop"])]
+Group = Annotated[str, Field(description=FIELD_DOCS["group"])]
+What = Annotated[str, Field(description=FIELD_DOCS["what"])]
+Peer = Annotated[int, Field(ge=0, description=FIELD_DOCS["peer"])]
+NumBytes = Annotated[int, Field(ge=0, description=FIELD_DOCS["num_bytes"])]
+Tag = Annotated[int, Field(description=FIELD_DOCS["tag"])]
+State = Annotated[tuple[Literal["params", "grads", "optimizer"], ...], Field(description=FIELD_DOCS["state"])]
+ModelName = Annotated[str, Field(description=FIELD_DOCS["model"])]
+Transfer = Annotated[str, Field(description=FIELD_DOCS["transfer"])]
+SrcRole = Annotated[str, Field(description=FIELD_DOCS["src_role"])]
+DstRole = Annotated[str, Field(description=FIELD_DOCS["dst_role"])]
+
+
+def instruction(cls: type) -> type:
+    """An instruction kind: a frozen, slotted, strict pydantic dataclass."""
+    return dataclass(frozen=True, slots=True, config=_STRICT)(cls)
+
+@instruction
+class Generate:
+    """Sample responses [start, stop) of `step` with policy weights `version` on the generator."""
+
+    step: Step
+    node: Node
+    role: Role
+    version: Version
+    start: Start
+    stop: Stop
+    group: Group
+    kind: ClassVar[str] = "compute"
+
+
+@instruction
+class Logprob:
+    """Forward pass of `role` over responses [start, stop): per-token log-probabilities."""
+
+    step: Step
+    node: Node
+    role: Role
+    start: Start
+    stop: Stop
+    group: Group
+    kind: ClassVar[str] = "compute"
+
+
+@instruction
+class Value:
+    """Forward pass of the critic `role` over responses [start, stop): per-token values."""
+
+    step: Step
+    node: Node
+    role: Role
+    start: Start
+    stop: Stop
+    group: Group
+    kind: ClassVar[str] = "compute"
+
+
+@instruction
+class Reward:
+    """Score responses [start, stop): the reward model `role`, or a rule function when `role` is ''."""
+
+    step: Step
+    node: Node
+    role: Role
+    start: Start
+    stop: Stop
+    group: Group
+    kind: ClassVar[str] = "compute"
+
+
+@instruction
+class Advantage:
+    """Advantages of responses [start, stop) from their rewards (and values)."""
+
+    step: Step
+    node: Node
+    start: Start
+    stop: Stop
+    kind: ClassVar[str] = "compute"
+
+
+@instruction
+class TrainStep:
+    """One optimizer update of `role` on responses [start, stop), producing weights `version` (step + 1)."""
+
+    step: Step
+    node: Node
+    role: Role
+    start: Start
+    stop: Stop
+    version: Version
+    group: Group
+    kind: ClassVar[str] = "compute"
+
+
+@instruction
+class Send:
+    """Point-to-point: send `what` of responses [start, stop) to `peer`."""
+
+    step: Step
+    what: What
+    start: Start
+    stop: Stop
+    peer: Peer
+    num_bytes: NumBytes
+    tag: Tag
+    kind: ClassVar[str] = "p2p"
+
+
+@instruction
+class Recv:
+    """Point-to-point: receive `what` of responses [start, stop) from `peer`."""
+
+    step: Step
+    what: What
+    start: Start
+    stop: Stop
+    peer: Peer
+    num_bytes: NumBytes
+    tag: Tag
+    kind: ClassVar[str] = "p2p"
+
+
+@instruction
+class Offload:
+    """Move `state` of `role` from device to host memory."""
+
+    role: Role
+    state: State
+    num_bytes: NumBytes
+    kind: ClassVar[str] = "memory"
+
+
+@instruction
+class Onload:
+    """Move `state` of `role` from host back to device memory."""
+
+    role: Role
+    state: State
+    num_bytes: NumBytes
+    kind: ClassVar[str] = "memory"
+
+
+@instruction
+class WeightSync:
+    """DDMA: this rank's part of every transfer round that copies `model` version `version` from the
+    trainer layout to the generator layout (`Programs.weight_syncs[transfer]` holds the rounds)."""
+
+    model: ModelName
+    version: Version
+    transfer: Transfer
+    group: Group
+    kind: ClassVar[str] = "collective"
+
+
+@instruction
+class ReshardInPlace:
+    """Colocated: gather the generator's tensor-parallel weights from the trainer's shards on the same devices."""
+
+    model: ModelName
+    version: Version
+    src_role: SrcRole
+    dst_role: DstRole
+    group: Group
+    kind: ClassVar[str] = "collective"
+
+
+@instruction
+class ReleaseWeights:
+    """Colocated: free the generator's gathered weights and KV cache after generation."""
+
+    role: Role
+    kind: ClassVar[str] = "memory"
+
+
+@instruction
+class Checkpoint:
+    """Save the run's state after `step` (when `checkpoint_due` says so)."""
+
+    step: Step
+    group: Group
+    kind: ClassVar[str] = "collective"
+
+
 Instruction = Union[Generate, Logprob, Value, Reward, Advantage, TrainStep, Send, Recv, Offload, Onload,
                     WeightSync, ReshardInPlace, ReleaseWeights, Checkpoint]
 INSTRUCTION_TYPES: dict[str, type] = {t.__name__: t for t in Instruction.__args__}  # type: ignore[attr-defined]
-_FIELDS: dict[type, tuple[tuple[str, type | str], ...]] = {
-    t: tuple((f.name, f.type) for f in fields(t)) for t in INSTRUCTION_TYPES.values()
-}
+_NAMES: dict[type, tuple[str, ...]] = {t: tuple(f.name for f in fields(t)) for t in INSTRUCTION_TYPES.values()}
+"""Each kind's field names, in order (the order of its values on disk)."""
 
 
 def encode(ins: Instruction) -> list[Any]:
     out: list[Any] = [type(ins).__name__]
-    for name, _ in _FIELDS[type(ins)]:
+    for name in _NAMES[type(ins)]:
         value = getattr(ins, name)
         out.append(list(value) if isinstance(value, tuple) else value)
     return out
 
 
 def decode(raw: Any) -> Instruction:
-    """Rebuild an instruction from `[name, values...]`, checking name, arity and field types."""
+    """Rebuild an instruction from `[name, values...]`, checking name, arity and (through the kind's
+    pydantic validator) every field's type and bounds."""
     if not isinstance(raw, (list, tuple)) or not raw or not isinstance(raw[0], str):
         raise ValueError(f"instruction {raw!r} is not [type, fields...]")
     cls = INSTRUCTION_TYPES.get(raw[0])
     if cls is None:
         raise ValueError(f"unknown instruction type {raw[0]!r}")
-    spec = _FIELDS[cls]
-    if len(raw) - 1 != len(spec):
-        raise ValueError(f"{raw[0]} takes {len(spec)} fields, got {len(raw) - 1}")
-    values = []
-    for (name, typ), value in zip(spec, raw[1:]):
-        if typ in ("int", int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif typ in ("str", str):
-            ok = isinstance(value, str)
-        else:  # tuple[str, ...]
-            ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
-            value = tuple(value) if ok else value
-        if not ok:
-            raise ValueError(f"{raw[0]}.{name} has a value of the wrong type: {value!r}")
-        values.append(value)
-    return cls(*values)
+    names = _NAMES[cls]
+    if len(raw) - 1 != len(names):
+        raise ValueError(f"{raw[0]} takes {len(names)} fields, got {len(raw) - 1}")
+    values = [tuple(v) if isinstance(v, list) else v for v in raw[1:]]  # msgpack has no tuples
+    try:
+        return cls(*values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        at = first["loc"][0] if first["loc"] else 0
+        name = names[at] if isinstance(at, int) and at < len(names) else str(at)
+        value = values[names.index(name)] if name in names else first["input"]
+        raise ValueError(f"{raw[0]}.{name} = {value!r} is not valid: {first['msg']}") from None
 
 
 def describe(ins: Instruction) -> str:
     """One readable line, e.g. `Generate step=3 v=2 [0:64) policy/generate`."""
     name = type(ins).__name__
     parts = [name]
-    for field_name, _ in _FIELDS[type(ins)]:
+    for field_name in _NAMES[type(ins)]:
         value = getattr(ins, field_name)
         if field_name == "version":
             parts.append(f"v={value}")
@@ -272,25 +318,30 @@ def label(ins: Instruction) -> str:
 TAG_STRIDE = 1_000_003
 """Tags of a step's point-to-point pairs lie in [step * TAG_STRIDE, (step + 1) * TAG_STRIDE)."""
 
-_SHIFTED = ("step", "version")
-_NAMES: dict[type, tuple[str, ...]] = {t: tuple(name for name, _ in spec) for t, spec in _FIELDS.items()}
+def _shift_spec(cls: type) -> tuple[Any, tuple[int, ...], int | None] | None:
+    """How `shift` moves a kind: a getter of its values, the indices of step and version, that of the tag."""
+    names = _NAMES[cls]
+    moved = tuple(k for k, n in enumerate(names) if n in ("step", "version"))
+    if not moved:
+        return None
+    return operator.attrgetter(*names), moved, names.index("tag") if "tag" in names else None
+
+
+_SHIFT_SPECS = {cls: _shift_spec(cls) for cls in INSTRUCTION_TYPES.values()}
 
 
 def shift(ins: Instruction, steps: int) -> Instruction:
     """`ins` moved `steps` steps later: its step, its weight version and its tag all advance together."""
-    if steps == 0:
+    spec = _SHIFT_SPECS[type(ins)]
+    if steps == 0 or spec is None:
         return ins
-    cls = type(ins)
-    names = _NAMES[cls]
-    if "step" not in names and "version" not in names:
-        return ins
-    values = [getattr(ins, n) for n in names]
-    for k, n in enumerate(names):
-        if n in _SHIFTED:
-            values[k] += steps
-        elif n == "tag":
-            values[k] += steps * TAG_STRIDE
-    return cls(*values)
+    values, moved, tag = spec
+    out = list(values(ins))
+    for k in moved:
+        out[k] += steps
+    if tag is not None:
+        out[tag] += steps * TAG_STRIDE
+    return type(ins)(*out)
 
 
 def checkpoint_due(step: int, steps: int, every: int) -> bool:
@@ -310,11 +361,11 @@ class RankProgram:
     Checkpoints stand in every iteration and run when `checkpoint_due` says so.
     """
 
-    prologue: list[Instruction]
-    body: list[Instruction]
-    epilogue: list[Instruction]
-    first: int = 0
-    tail: int = 0
+    prologue: Annotated[list[Instruction], Field(description="Instructions before the loop, with absolute steps and versions.")]
+    body: Annotated[list[Instruction], Field(description="One loop iteration: steps and versions are offsets from the loop counter k.")]
+    epilogue: Annotated[list[Instruction], Field(description="Instructions after the loop: steps and versions are offsets from the run's step count.")]
+    first: int = Field(default=0, ge=0, description="The loop's first k.")
+    tail: int = Field(default=0, ge=0, description="Steps after the loop (the loop runs k in [first, steps - tail)).")
 
     def iterations(self, steps: int) -> range:
         return range(self.first, max(self.first, steps - self.tail))
@@ -363,11 +414,18 @@ class RankProgram:
         return len(self.prologue) + len(self.body) + len(self.epilogue)
 
 
+CostKind = Literal["Generate", "Logprob", "Value", "Reward", "Advantage", "TrainStep", "Send", "Recv", "Offload",
+                   "Onload", "WeightSync", "ReshardInPlace", "ReleaseWeights", "Checkpoint", "Forward", "Rule"]
+"""What a predicted duration is of: an instruction kind, 'Forward' (any role's forward pass: Logprob, Value
+and model-based Reward share it) or 'Rule' (a rule-based reward)."""
+COST_KINDS: frozenset[str] = frozenset(get_args(CostKind))
+
+
 class CostKey(NamedTuple):
     """The key of a predicted duration in `Programs.durations`: the op kind and what it acts on.
     In a plan file it is written 'kind:subject' (or 'kind' alone), as `str()` gives."""
 
-    kind: str
+    kind: CostKind
     """The op kind: an instruction type name, or 'Forward' for any role's forward pass and 'Rule'
     for a rule-based reward."""
     subject: str = ""
@@ -381,7 +439,9 @@ class CostKey(NamedTuple):
     def parse(cls, text: str) -> "CostKey":
         """The key `str()` wrote; the subject may itself hold ':' (a transfer id)."""
         kind, _, subject = text.partition(":")
-        return cls(kind, subject)
+        if kind not in COST_KINDS:
+            raise ValueError(f"duration key {text!r}: unknown kind {kind!r} (known: {', '.join(sorted(COST_KINDS))})")
+        return cls(kind, subject)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -391,12 +451,12 @@ class Programs:
 
     The size of a `Programs` does not depend on `steps`: the body of each rank's loop is one step."""
 
-    steps: int
-    ranks: list[RankProgram]
-    groups: dict[str, tuple[int, ...]]
-    weight_syncs: dict[str, WeightSyncRecord]  # transfer id -> the DDMA rounds
-    durations: dict[CostKey, float]  # predicted seconds (read through graphrl.compiler.semantics)
-    checkpoint_every: int = 0
+    steps: Annotated[int, Field(ge=1, description="RL steps of the run.")]
+    ranks: Annotated[list[RankProgram], Field(description="One periodic program per rank, by rank.")]
+    groups: Annotated[dict[str, tuple[int, ...]], Field(description="Rank groups by name: the ranks that run a grouped instruction together.")]
+    weight_syncs: Annotated[dict[str, WeightSyncRecord], Field(description="DDMA transfer plans by transfer id.")]
+    durations: Annotated[dict[CostKey, float], Field(description="Predicted seconds by (kind, subject); what the simulator charges.")]
+    checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint after every this many steps (0: only after the last).")
 
     @classmethod
     def unrolled(cls, steps: int, streams: list[list[Instruction]], groups: dict[str, tuple[int, ...]],
@@ -476,3 +536,52 @@ def _weight_sync(transfer: str, data: Any) -> WeightSyncRecord:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"]))
         raise ValueError(f"weight sync {transfer!r}: {first['msg']} at {where}") from None
+
+
+def programs_json_schema() -> tuple[dict[str, Any], dict[str, Any]]:
+    """JSON Schema of `Programs.to_data()` (the programs as a plan file stores them) and the `$defs` it
+    refers to: each instruction kind is an array `[kind, field values...]` whose items carry the fields'
+    types, bounds and descriptions, taken from the pydantic definitions above."""
+    defs: dict[str, Any] = {}
+    for name, cls in INSTRUCTION_TYPES.items():
+        props = TypeAdapter(cls).json_schema()["properties"]
+        items = [{"const": name, "description": "instruction kind"}] + [
+            {**props[field], "title": field} for field in _NAMES[cls]]
+        defs[name] = {"type": "array", "title": name, "description": " ".join((cls.__doc__ or "").split()),
+                      "prefixItems": items, "items": False, "minItems": len(items)}
+    defs["Instruction"] = {"anyOf": [{"$ref": f"#/$defs/{n}"} for n in INSTRUCTION_TYPES]}
+    sync = TypeAdapter(WeightSyncRecord).json_schema(ref_template="#/$defs/{model}", mode="serialization")
+    defs.update(sync.pop("$defs", {}))
+    defs["WeightSyncRecord"] = sync
+
+    def described(field: str, schema: dict[str, Any], owner: type = RankProgram) -> dict[str, Any]:
+        return {**schema, "description": owner.__pydantic_fields__[field].description}  # type: ignore[attr-defined]
+
+    stream = {"type": "array", "items": {"$ref": "#/$defs/Instruction"}}
+    whole = {"type": "integer", "minimum": 0}
+    defs["RankProgram"] = {
+        "type": "object", "title": "RankProgram", "description": " ".join((RankProgram.__doc__ or "").split()),
+        "properties": {"first": described("first", whole), "tail": described("tail", whole),
+                       **{k: described(k, stream) for k in ("prologue", "body", "epilogue")}},
+        "required": ["first", "tail", "prologue", "body", "epilogue"], "additionalProperties": False,
+    }
+    top = Programs
+    kinds = "|".join(sorted(COST_KINDS))
+    schema = {
+        "type": "object", "title": "Programs", "description": " ".join((Programs.__doc__ or "").split()),
+        "properties": {
+            "steps": described("steps", {"type": "integer", "minimum": 1}, top),
+            "checkpoint_every": described("checkpoint_every", whole, top),
+            "ranks": described("ranks", {"type": "array", "items": {"$ref": "#/$defs/RankProgram"}}, top),
+            "groups": described("groups", {"type": "object", "additionalProperties":
+                                           {"type": "array", "items": {"type": "integer", "minimum": 0}}}, top),
+            "weight_syncs": described("weight_syncs", {"type": "object", "additionalProperties":
+                                                       {"$ref": "#/$defs/WeightSyncRecord"}}, top),
+            "durations": described("durations", {"type": "object", "additionalProperties": {"type": "number"},
+                                                 "propertyNames": {"pattern": f"^({kinds})(:.*)?$"}}, top),
+        },
+        "required": ["steps", "checkpoint_every", "ranks", "groups", "weight_syncs", "durations"],
+        "additionalProperties": False,
+    }
+    return schema, defs
+

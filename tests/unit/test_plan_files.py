@@ -67,3 +67,71 @@ def test_an_edited_weight_sync_record_is_refused_naming_the_field(edit, words):
     with pytest.raises(PlanFileError, match="corrupted programs") as info:
         plan_from_bytes(msgpack.packb(data, use_bin_type=True), "x.msgpack")
     assert words in str(info.value)
+
+
+# -- typed instructions and the plan file's schema ----------------------------------------------------
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda r: r["body"][0].__setitem__(1, "3"), "= '3' is not valid"),  # a step given as text
+    (lambda r: r["body"][0].append(7), "fields, got"),  # one value too many
+    (lambda r: r["body"][0].__setitem__(0, "Teleport"), "unknown instruction type 'Teleport'"),
+])
+def test_an_edited_instruction_is_refused_naming_it(edit, words):
+    _, data = _disaggregated_plan_data()
+    edit(next(r for r in data["programs"]["ranks"] if r["body"]))
+    with pytest.raises(PlanFileError, match="corrupted programs") as info:
+        plan_from_bytes(msgpack.packb(data, use_bin_type=True), "x.msgpack")
+    assert words in str(info.value)
+
+
+def test_an_unknown_duration_kind_is_refused_with_the_known_ones():
+    _, data = _disaggregated_plan_data()
+    data["programs"]["durations"]["Teleport:policy"] = 1.0
+    with pytest.raises(PlanFileError, match="unknown kind 'Teleport'") as info:
+        plan_from_bytes(msgpack.packb(data, use_bin_type=True), "x.msgpack")
+    assert "TrainStep" in str(info.value)
+
+
+def test_instructions_are_strict_typed_records():
+    from pydantic import ValidationError
+
+    from graphrl.schemas.program import Generate, Offload
+
+    assert Generate(1, "gen", "policy/generate", 0, 0, 4, "gen.0").stop == 4
+    for bad in [("1", "gen", "p", 0, 0, 4, "g"), (True, "gen", "p", 0, 0, 4, "g"), (1, "gen", "p", 0, -1, 4, "g")]:
+        with pytest.raises(ValidationError):
+            Generate(*bad)
+    with pytest.raises(ValidationError, match="params"):
+        Offload("policy", ("weights",), 8)
+
+
+def test_plan_schema_describes_every_field_and_holds_for_a_compiled_plan():
+    """`graphrl schema --plan` is the plan file's reference: a compiled plan's content validates against
+    it, an edited one does not, and every instruction field, program field and record field is described."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    from click.testing import CliRunner
+
+    from graphrl.cli import main
+    from graphrl.schemas.plan import plan_json_schema
+    from graphrl.schemas.program import INSTRUCTION_TYPES
+
+    schema = plan_json_schema()
+    assert json.loads(CliRunner().invoke(main, ["schema", "--plan"]).output) == schema
+    plan, data = _disaggregated_plan_data()
+    jsonschema.validate(data, schema)
+    rank = next(r for r in data["programs"]["ranks"] if r["body"])
+    rank["body"][0] = rank["body"][0] + [1]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, schema)
+
+    defs = schema["$defs"]
+    for name in INSTRUCTION_TYPES:
+        assert defs[name]["description"]
+        assert all(item.get("description") for item in defs[name]["prefixItems"]), name
+    programs = schema["properties"]["programs"]["anyOf"][0]
+    for record in [schema["properties"]["plan"], *defs.values()]:
+        assert all(p.get("description") for p in record.get("properties", {}).values()), record["title"]
+    for record in (programs, defs["RankProgram"]):
+        assert all(p.get("description") for p in record["properties"].values()), record["title"]
