@@ -303,15 +303,19 @@ def _decode_coefficients(
     return a_compute, b_compute, a_memory, b_memory
 
 
-def _tp_allreduce_per_pass(
-    dims: ModelDims, tokens: float, tp: int, hw: HardwareSpec, spans_nodes: bool
+def _tp_comm_per_pass(
+    dims: ModelDims, tokens: float, rows: float, tp: int, hw: HardwareSpec, spans_nodes: bool
 ) -> float:
-    """Megatron tensor parallelism: 2 all-reduces per layer (after attention and after the MLP) of the
-    tokens' bf16 activations, tokens*H*2 bytes each, on the critical path (Shoeybi et al. 2019)."""
+    """Tensor-parallel communication of one forward pass as the generator runs it, on the critical path:
+    an all-reduce after the vocabulary-parallel embedding and 2 per layer (after attention and after the
+    MLP, Shoeybi et al. 2019), each of the `tokens`' bf16 activations (tokens*H*2 bytes), then an
+    all-gather of the `rows` sampled positions' float32 logits (rows*V*4 bytes) so every rank samples
+    from the full vocabulary."""
     if tp <= 1:
         return 0.0
     per_call = collective_time("all_reduce", tokens * dims.hidden_size * BF16_BYTES, tp, hw, spans_nodes)
-    return 2 * dims.num_layers * per_call
+    logits = collective_time("all_gather", rows * dims.vocab_size * FP32_BYTES, tp, hw, spans_nodes)
+    return (2 * dims.num_layers + 1) * per_call + logits
 
 
 def decode_step_cost(
@@ -334,7 +338,8 @@ def decode_step_cost(
     - memory = (weights read / tp + batch * context_len * kv_cache_bytes_per_token / min(tp, kv_heads))
       / (memory_bandwidth * memory_efficiency); weights read = `decode_weight_bytes_read` with block
       linears at `bytes_per_param`; KV heads cannot split below one per device (see `kv_shards`);
-    - communication (tp > 1) = 2 all-reduces per layer of batch*H bf16 activations, over NVLink if
+    - communication (tp > 1) = `_tp_comm_per_pass`: the embedding's and 2 per layer all-reduces of
+      batch*H bf16 activations and the all-gather of batch*V float32 logits, over NVLink if
       `intra_node`, else the inter-node network.
     """
     a_c, b_c, a_m, b_m = _decode_coefficients(
@@ -342,7 +347,7 @@ def decode_step_cost(
     )
     compute = a_c + b_c * context_len
     memory = a_m + b_m * context_len
-    return max(compute, memory) + _tp_allreduce_per_pass(dims, batch, tp, hw, not intra_node)
+    return max(compute, memory) + _tp_comm_per_pass(dims, batch, batch, tp, hw, not intra_node)
 
 
 def _sum_linear(a: float, b: float, lo: int, hi: int) -> float:
@@ -384,8 +389,8 @@ def generation_time(
     """Seconds for one generator replica (a tp group) to answer `batch` prompts: prefill + decode.
 
     - prefill: max(prefill_flops / tp / (peak * compute_efficiency), weights read / tp / effective
-      memory bandwidth) + 2 tp all-reduces per layer of batch*prompt_len*H bf16 activations. Prefill
-      also yields the first response token.
+      memory bandwidth) + the tensor-parallel communication of one pass over batch*prompt_len tokens
+      (`_tp_comm_per_pass`). Prefill also yields the first response token.
     - decode: the remaining response_len - 1 steps; step j (1-based) feeds the token at position
       prompt_len + j - 1 and attends to prompt_len + j keys. Each step is `decode_step_cost`; the sum
       over steps of max(linear, linear) in the context is computed exactly in closed form.
@@ -401,7 +406,7 @@ def generation_time(
 
     prefill_compute = prefill_flops(dims, batch, prompt_len) / (tp * peak * hw.compute_efficiency)
     prefill = max(prefill_compute, weights_read / mem_rate)
-    prefill += _tp_allreduce_per_pass(dims, batch * prompt_len, tp, hw, spans_nodes)
+    prefill += _tp_comm_per_pass(dims, batch * prompt_len, batch, tp, hw, spans_nodes)
 
     steps = response_len - 1
     per_pass_host = dims.num_layers * hw.layer_overhead_s + hw.pass_overhead_s
@@ -411,7 +416,7 @@ def generation_time(
         dims, batch, tp, bytes_per_param, kv_bytes_per_elem, hw, peak
     )
     decode = _sum_max_linear(a_c, b_c, a_m, b_m, prompt_len + 1, prompt_len + steps)
-    decode += steps * _tp_allreduce_per_pass(dims, batch, tp, hw, spans_nodes)
+    decode += steps * _tp_comm_per_pass(dims, batch, batch, tp, hw, spans_nodes)
     # Host time: one pass through the model for the prefill and for each decode step, and the
     # per-token work of every generated token in every layer.
     per_token_host = batch * response_len * dims.num_layers * hw.decode_token_overhead_s

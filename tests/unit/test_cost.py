@@ -158,12 +158,13 @@ def test_decode_step_compute_bound() -> None:
 def test_decode_step_tensor_parallel() -> None:
     # tp=2: memory (3984/2 + 640 / min(2, kv_heads=1)) / 1e11 = 2.632e-8 (the single KV head is
     # replicated, not split); compute 9.088e-9/2.
-    # comm: 2 layers * 2 all-reduces of batch*H*2 = 32 bytes over 2 devices:
-    #   2*(2-1)*(32/(2*1e10) + 1e-6) = 2.0032e-6 each -> 8.0128e-6
-    assert decode_step_cost(TOY, 2, 10, 2, 2, 2, TOY_HW) == pytest.approx(2.632e-8 + 8.0128e-6)
-    # across nodes the bandwidth term is 10x: 2*(32/(2*1e9) + 1e-6) = 2.032e-6 each
+    # comm: the embedding's and 2 layers * 2 all-reduces of batch*H*2 = 32 bytes over 2 devices:
+    #   2*(2-1)*(32/(2*1e10) + 1e-6) = 2.0032e-6 each, 5 of them -> 1.0016e-5;
+    #   the all-gather of batch*V*4 = 2*100*4 = 800 bytes of logits: (1/2)*800/1e10 + 1e-6 = 1.04e-6
+    assert decode_step_cost(TOY, 2, 10, 2, 2, 2, TOY_HW) == pytest.approx(2.632e-8 + 1.0016e-5 + 1.04e-6)
+    # across nodes the bandwidth term is 10x: 2*(32/(2*1e9) + 1e-6) = 2.032e-6 each, 800/(2*1e9) + 1e-6
     assert decode_step_cost(TOY, 2, 10, 2, 2, 2, TOY_HW, intra_node=False) == pytest.approx(
-        2.632e-8 + 4 * 2.032e-6
+        2.632e-8 + 5 * 2.032e-6 + 1.4e-6
     )
 
 
@@ -218,7 +219,7 @@ def test_fp8_on_hardware_without_fp8_is_an_error() -> None:
 
 def test_generation_faster_with_more_tp_and_slower_across_nodes() -> None:
     """Decode reads the weights every step, so tp divides that time, but each step also pays
-    2 * layers tp all-reduces whose ring latency 2(n-1)*alpha grows with tp: with the presets'
+    2 * layers + 1 tp all-reduces (and a logits all-gather) whose ring latency 2(n-1)*alpha grows with tp: with the presets'
     10 us per ring step, tp=8 is not faster than tp=4 for 70B; with 1 us it is."""
     times = [generation_time(L70B, 32, 512, 512, tp, "bf16", H100, True) for tp in (1, 2, 4)]
     assert times[0] > times[1] > times[2]
