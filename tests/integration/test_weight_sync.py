@@ -121,15 +121,18 @@ def shards(dims: ModelDims, full: dict[str, torch.Tensor], mesh: Mesh, rank: int
 
 
 def run_shard_case(rank: int, case: Case, data: WeightSyncRecord) -> int:
-    full = full_tensors(case.dims)
-    src = shards(case.dims, full, data.src, rank, None)
-    dst = shards(case.dims, full, data.dst, rank, case.dst_dtype)
+    """The sync, twice: the second time with other weights in new tensors (as after an optimizer step
+    and an offload), so the rank's program kept from the first sync must not be bound to its tensors."""
     cpu = torch.device("cpu")
-    execute_weight_sync(data, rank, src, dst, cpu, cpu, wire_dtype=torch.float32)
-    bad = [f"{name}{list(region)}" for name, (got, region) in dst.items()
-           if not torch.equal(got, full[name][to_slices(region)].to(case.dst_dtype))]
-    if bad:
-        raise AssertionError(f"{len(bad)} of {len(dst)} destination shards differ: {bad[:6]}")
+    for scale in (1.0, -2.0):
+        full = {name: t * scale for name, t in full_tensors(case.dims).items()}
+        src = shards(case.dims, full, data.src, rank, None)
+        dst = shards(case.dims, full, data.dst, rank, case.dst_dtype)
+        execute_weight_sync(data, rank, src, dst, cpu, cpu, wire_dtype=torch.float32)
+        bad = [f"{name}{list(region)}" for name, (got, region) in dst.items()
+               if not torch.equal(got, full[name][to_slices(region)].to(case.dst_dtype))]
+        if bad:
+            raise AssertionError(f"sync {scale}: {len(bad)} of {len(dst)} destination shards differ: {bad[:6]}")
     return len(dst)
 
 
@@ -283,4 +286,24 @@ def test_a_source_shard_of_another_dtype_than_the_wire_is_refused() -> None:
     src = {k: (t.to(torch.bfloat16), r) for k, (t, r) in src.items()}
     cpu = torch.device("cpu")
     with pytest.raises(RunError, match="wire dtype"):
+        execute_weight_sync(data, 0, src, {}, cpu, cpu, wire_dtype=torch.float32)
+
+
+def test_a_shard_layout_change_after_a_sync_is_checked_again() -> None:
+    """The rank's reading of the plan is kept per plan and shard layout: the same layout reuses it, and a
+    shard that changes shape afterwards is refused as on a first sync, not sliced with the old indices."""
+    from graphrl.executors.weightsync import _rank_sync
+
+    case = CASES[0]
+    data = stored_plan(case)
+    cpu = torch.device("cpu")
+    src = shards(DIMS, full_tensors(DIMS), data.src, 0, None)
+    first = _rank_sync(data, 0, src, {}, torch.float32)
+    again = {k: (t.clone(), r) for k, (t, r) in src.items()}  # new tensors, same layout
+    assert _rank_sync(data, 0, again, {}, torch.float32) is first
+    assert first.rounds and all(peer == 1 for sends, _ in first.rounds for peer, _, _ in sends)
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensor, region = src[name]
+    src[name] = (tensor[:1], region)
+    with pytest.raises(RunError, match="up_proj.weight has shape"):
         execute_weight_sync(data, 0, src, {}, cpu, cpu, wire_dtype=torch.float32)
