@@ -34,7 +34,7 @@ def main() -> int:
     placed = graph["placement"]
     instructions = sum(len(s) for s in programs.streams)
     t = time.perf_counter()
-    sim = run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True)
+    run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True)
     sim_s = time.perf_counter() - t
     print(f"405B on {cluster.num_devices} ranks, 100 steps, {instructions} instructions")
     print(f"  compile + schedule + verify: {compile_s:6.2f} s (target < 15 s) {'PASS' if compile_s < 15 else 'FAIL'}")

@@ -32,7 +32,7 @@ from graphrl.compiler.passes import CompileContext, run_passes
 from graphrl.compiler.pipeline import FRONT
 from graphrl.compiler.placement import Evaluated, make_problem, search
 from graphrl.ir import build_graph
-from graphrl.loader import apply_overrides, job_cluster, load_job, parse_override
+from graphrl.loader import job_cluster, load_job
 
 pytestmark = pytest.mark.slow
 

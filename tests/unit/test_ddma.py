@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter, defaultdict
-from typing import Callable
+from collections import Counter
 
 import numpy as np
 import pytest

@@ -21,7 +21,7 @@ from graphrl.compiler.simulate import run_programs
 from graphrl.compiler.verify import check_body_memory_balance
 from graphrl.errors import PlanFileError, VerifyError
 from graphrl.loader import job_cluster, load_job, load_job_text
-from graphrl.plan_io import load_plan, plan_from_bytes, plan_to_bytes, save_plan
+from graphrl.plan_io import load_plan, plan_from_bytes, plan_to_bytes
 from graphrl.schemas.program import Checkpoint, Offload, RankProgram, Send, TrainStep
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

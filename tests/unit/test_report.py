@@ -245,7 +245,7 @@ GOOD_LINE = json.dumps(metrics_rows()[0])
         (f"{GOOD_LINE}\n{GOOD_LINE}\n{{\"step\": 2, \"loss\": 0.\n", "metrics.jsonl:3", "not JSON"),
         (f"{GOOD_LINE}\n[1, 2]\n", "metrics.jsonl:2", "JSON object"),
         (f"{GOOD_LINE}\n{{\"loss\": 1.0}}\n", "metrics.jsonl:2", "\"step\""),
-        (f"{{\"step\": 0, \"reward_mean\": \"high\"}}\n", "metrics.jsonl:1", "reward_mean must be a number"),
+        ("{\"step\": 0, \"reward_mean\": \"high\"}\n", "metrics.jsonl:1", "reward_mean must be a number"),
     ],
 )
 def test_bad_metrics_name_the_file_and_line(tmp_path, metrics, where, words):

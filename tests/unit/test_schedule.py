@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.compile import compile_graph, compile_job
-from graphrl.compiler.programs import build_programs
 from graphrl.compiler.reshard import split_range
 from graphrl.compiler.schedule import version_for
 from graphrl.compiler.simulate import chrome_trace, run_programs
@@ -20,7 +19,7 @@ from graphrl.compiler.verify import check_memory, check_staleness
 from graphrl.errors import VerifyError
 from graphrl.loader import job_cluster, load_job, load_job_text
 from graphrl.plan_io import load_plan, save_plan
-from graphrl.schemas.program import Generate, Programs, Recv, Send, TrainStep, WeightSync, describe
+from graphrl.schemas.program import Generate, Programs, Recv, Send, WeightSync
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
