@@ -237,6 +237,13 @@ def _idle(mem: cost.MemoryBreakdown, offloaded: tuple[str, ...]) -> float:
     return sum(v for k, v in keep.items() if k not in offloaded)
 
 
+def resident_while_generating(mem: MeshMemory) -> float:
+    """Bytes per device the trainer mesh keeps while a colocated generator runs on it: every role's
+    idle state, minus what the candidate offloads. The search, the plan's layout and its predicted
+    Generate duration all leave the generator the rest."""
+    return sum(_idle(m, mem.offloaded[name]) for name, m in mem.roles.items())
+
+
 def trainer_mesh_memory(p: Problem, cfg: TrainCfg, extra_resident: float = 0.0) -> MeshMemory:
     """Peak bytes per device of the trainer mesh: the train roles and the frozen roles beside them.
 
@@ -461,8 +468,7 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
                        f"trainer mesh needs {mem.peak / GB:.1f} GB per device, {p.usable / GB:.1f} GB usable")
     phases: dict[str, float] = {}
     if gen is not None:
-        # While generating, the trainer's idle state stays resident (minus what this candidate offloads).
-        resident = sum(_idle(m, mem.offloaded[name]) for name, m in mem.roles.items())
+        resident = resident_while_generating(mem)
         res = generation_time(p, gen, p.usable - resident)
         if res is None:
             need = resident + _gen_weights(p.generator, gen.tp, gen.precision) + _gen_per_sequence(p, p.generator, gen.tp)
@@ -695,8 +701,7 @@ def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey,
     if gen_role is not None and ev.gen is not None:
         free = p.usable
         if layout.strategy == "colocated":
-            free = p.usable - sum(pl.memory_bytes.params + pl.memory_bytes.grads + pl.memory_bytes.optimizer
-                                  for pl in layout.placements if pl.kind != "generate")
+            free = p.usable - resident_while_generating(trainer_mesh_memory(p, ev.train))
             durations[CostKey("ReshardInPlace", p.policy.model)] = reshard_in_place_time(p, ev.train, ev.gen)[0]
         res = generation_time(p, ev.gen, free)
         durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
@@ -736,7 +741,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             meshes.append(gen.mesh("generator"))
             free = p.usable
         else:
-            free = p.usable - sum(_idle(m, mem.offloaded[name]) for name, m in mem.roles.items())
+            free = p.usable - resident_while_generating(mem)
         res = generation_time(p, gen, free)
         concurrent = res[1] if res else 1
         gmem = cost.inference_memory(g.dims, tp=gen.tp, pp=1, precision=gen.precision,  # type: ignore[arg-type]
@@ -751,7 +756,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             operations.append(Operation(
                 kind="reshard_in_place", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
                 detail=f"gather tp{gen.tp} generator weights from the trainer's {train.sharding} shards"))
-            resident = sum(_idle(m, mem.offloaded[name]) for name, m in mem.roles.items())
+            resident = resident_while_generating(mem)
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))
         else:

@@ -65,3 +65,18 @@ def test_run_and_launch_refuse_a_pinned_pp_up_front(command: str, tmp_path: Path
     assert result.exit_code == 2, result.output
     assert "placement.roles.policy.pp: pp 2: pipeline-parallel execution is not supported yet" in result.stderr
     assert "Traceback" not in result.output and not out.exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("example, cluster", CASES)
+def test_a_colocated_plan_predicts_the_generation_the_search_ranked(example: str, cluster: str) -> None:
+    """The Generate duration the programs carry (what the simulator charges) is the one the search ranked
+    the candidate by: both leave the generator the memory the trainer's idle state does not hold."""
+    from graphrl.compiler.placement import layout_durations, to_layout
+    from graphrl.schemas.program import CostKey
+
+    p = problem(example, cluster)
+    colocated = [ev for ev in search(p, exhaustive=True).ranked if ev.strategy == "colocated" and ev.fits]
+    assert colocated
+    key = CostKey("Generate", p.generator.name)
+    for ev in colocated:
+        assert layout_durations(p, ev, to_layout(p, ev))[key] == pytest.approx(ev.phases["generate"], rel=1e-12)
