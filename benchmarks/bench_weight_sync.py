@@ -1,4 +1,5 @@
-"""How close the DDMA weight-sync executor comes to raw point-to-point bandwidth, on 2 local ranks (gloo).
+"""How close the DDMA weight-sync executor comes to raw point-to-point bandwidth, on local ranks (gloo):
+2 ranks, and 3 for a tp=2 generator beside its trainer (each world size its own process group).
 
 Each case plans a trainer -> generator sync with the real planner, stores it the way a compiled job
 does (`compiler/weight_sync.py:ddma_record`, through JSON), and times only `execute_weight_sync` (packing,
@@ -42,7 +43,13 @@ CASES = [
     ("fsdp1@0 -> tp1@1, 256 MiB buckets", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 1), 256 * MIB),
     ("fsdp1@0 -> tp1@1, 16 MiB buckets", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 1), 16 * MIB),
     ("fsdp2@0-1 -> tp2@0-1 (shared ranks)", Mesh.contiguous([("dp", 1), ("fsdp", 2), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 0), 256 * MIB),
+    # A disaggregated generator, the planner's main case: one trainer rank sends each tp rank its shard.
+    ("fsdp1@0 -> tp2@1-2 (3 ranks)", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 1), 256 * MIB),
 ]
+
+
+def world_of(data: WeightSyncRecord) -> int:
+    return max(max(data.src.devices), max(data.dst.devices)) + 1
 
 
 def model_dims(layers: int) -> ModelDims:
@@ -136,16 +143,34 @@ def _numel(region: list[list[int]]) -> int:
     return n
 
 
-def rank_main(rank: int, port: int, args: argparse.Namespace, plans: list[tuple[str, WeightSyncRecord]], out: Any) -> None:
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, plans: list[tuple[str, WeightSyncRecord]],
+              out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     dims = model_dims(args.layers)
     for label, data in plans:
         row = bench_case(rank, dims, data, torch.bfloat16, args.repeat)
         if rank == 0:
             out.put({"case": label, **row})
     dist.destroy_process_group()
+
+
+def run_world(world: int, plans: list[tuple[str, WeightSyncRecord]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, args, plans, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = [{**out.get(timeout=600), "ranks": world} for _ in plans]
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise SystemExit(f"a rank exited with code {p.exitcode}")
+    return rows
 
 
 def main() -> None:
@@ -157,24 +182,14 @@ def main() -> None:
     dims = model_dims(args.layers)
     model_bytes = sum(p.num_elements for p in llama_params(dims)) * 2
     plans = [(label, stored_plan(dims, s, d, b)) for label, s, d, b in CASES]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, port, args, plans, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = [out.get(timeout=600) for _ in plans]
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise SystemExit(f"a rank exited with code {p.exitcode}")
+    rows = []
+    for world in sorted({world_of(data) for _, data in plans}):  # one process group per world size
+        rows += run_world(world, [(label, data) for label, data in plans if world_of(data) == world], args)
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"model {model_bytes / 1e6:.0f} MB in bf16 ({args.layers} layers), 2 ranks, gloo on loopback, "
+    print(f"model {model_bytes / 1e6:.0f} MB in bf16 ({args.layers} layers), gloo on loopback, "
           f"best of {args.repeat}")
     print(f"{'case':38} {'link MB':>8} {'local MB':>8} {'rounds':>6} {'ddma ms':>8} {'ddma GB/s':>9} {'raw ms':>7} "
           f"{'raw GB/s':>8} {'ddma/raw':>8} {'exact':>5}")
