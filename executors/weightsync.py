@@ -113,17 +113,17 @@ class RankSync(NamedTuple):
     local: tuple[tuple[str, Index, Index], ...]  # shard name, index into the destination, into the source
 
 
-_PROGRAMS: dict[tuple[int, int], tuple[WeightSyncRecord, Any, RankSync]] = {}
+_RANK_SYNCS: dict[tuple[int, int], tuple[WeightSyncRecord, Any, RankSync]] = {}
 
 
 def _rank_sync(data: WeightSyncRecord, rank: int, src_shards: ShardMap, dst_shards: ShardMap,
-                  wire_dtype: torch.dtype) -> RankSync:
+               wire_dtype: torch.dtype) -> RankSync:
     """This rank's messages and local copies, checked against its shards (each shard's shape is its
     region's, the plan's regions lie inside the shards, sources are of the wire dtype), and kept for
     the next sync of the same plan on the same shard layout. Only index tuples are kept, never views:
     a view would hold on to memory that offloading or resharding a parameter means to free."""
     layout = (wire_dtype, _layout(src_shards), _layout(dst_shards))
-    cached = _PROGRAMS.get((id(data), rank))
+    cached = _RANK_SYNCS.get((id(data), rank))
     if cached is not None and cached[0] is data and cached[1] == layout:
         return cached[2]
     src = _checked(src_shards, "source", rank)
@@ -146,15 +146,15 @@ def _rank_sync(data: WeightSyncRecord, rank: int, src_shards: ShardMap, dst_shar
         rounds.append((tuple(sends), tuple(recvs)))
     local = tuple((name, _index(dst, name, region, rank, "destination"), _index(src, name, region, rank, "source"))
                   for owner, _, slices in data.local if owner == rank for name, region in slices)
-    program = RankSync(tuple(rounds), local)
-    if len(_PROGRAMS) >= 64:  # a run holds a few plans; never let stale ones pile up
-        _PROGRAMS.clear()
-    _PROGRAMS[(id(data), rank)] = (data, layout, program)
-    return program
+    mine = RankSync(tuple(rounds), local)
+    if len(_RANK_SYNCS) >= 64:  # a run holds a few plans; never let stale ones pile up
+        _RANK_SYNCS.clear()
+    _RANK_SYNCS[(id(data), rank)] = (data, layout, mine)
+    return mine
 
 
 def _layout(shards: ShardMap) -> tuple:
-    """What a rank program depends on in a shard map: each shard's name, region, shape and dtype."""
+    """What a `RankSync` depends on in a shard map: each shard's name, region, shape and dtype."""
     return tuple((name, tuple(map(tuple, region)), tuple(t.shape), t.dtype) for name, (t, region) in shards.items())
 
 

@@ -49,8 +49,6 @@ FIELD_DOCS: dict[str, str] = {
     "dst_role": "role the gathered weights are for",
 }
 
-
-
 _STRICT = ConfigDict(strict=True)
 """Instruction fields take exactly their type: no '3' for 3, no True for 1, no 3.0 for 3."""
 
@@ -75,6 +73,7 @@ DstRole = Annotated[str, Field(description=FIELD_DOCS["dst_role"])]
 def instruction(cls: type) -> type:
     """An instruction kind: a frozen, slotted, strict pydantic dataclass."""
     return dataclass(frozen=True, slots=True, config=_STRICT)(cls)
+
 
 @instruction
 class Generate:
@@ -274,10 +273,8 @@ def decode(raw: Any) -> Instruction:
         return cls(*values)
     except ValidationError as exc:
         first = exc.errors()[0]
-        at = first["loc"][0] if first["loc"] else 0
-        name = names[at] if isinstance(at, int) and at < len(names) else str(at)
-        value = values[names.index(name)] if name in names else first["input"]
-        raise ValueError(f"{raw[0]}.{name} = {value!r} is not valid: {first['msg']}") from None
+        at = first["loc"][0]  # the position of the value among the kind's fields
+        raise ValueError(f"{raw[0]}.{names[at]} = {values[at]!r} is not valid: {first['msg']}") from None
 
 
 def describe(ins: Instruction) -> str:
@@ -547,41 +544,39 @@ def programs_json_schema() -> tuple[dict[str, Any], dict[str, Any]]:
         props = TypeAdapter(cls).json_schema()["properties"]
         items = [{"const": name, "description": "instruction kind"}] + [
             {**props[field], "title": field} for field in _NAMES[cls]]
-        defs[name] = {"type": "array", "title": name, "description": " ".join((cls.__doc__ or "").split()),
+        defs[name] = {"type": "array", "title": name, "description": _doc(cls),
                       "prefixItems": items, "items": False, "minItems": len(items)}
     defs["Instruction"] = {"anyOf": [{"$ref": f"#/$defs/{n}"} for n in INSTRUCTION_TYPES]}
     sync = TypeAdapter(WeightSyncRecord).json_schema(ref_template="#/$defs/{model}", mode="serialization")
     defs.update(sync.pop("$defs", {}))
     defs["WeightSyncRecord"] = sync
 
-    def described(field: str, schema: dict[str, Any], owner: type = RankProgram) -> dict[str, Any]:
-        return {**schema, "description": owner.__pydantic_fields__[field].description}  # type: ignore[attr-defined]
-
     stream = {"type": "array", "items": {"$ref": "#/$defs/Instruction"}}
     whole = {"type": "integer", "minimum": 0}
-    defs["RankProgram"] = {
-        "type": "object", "title": "RankProgram", "description": " ".join((RankProgram.__doc__ or "").split()),
-        "properties": {"first": described("first", whole), "tail": described("tail", whole),
-                       **{k: described(k, stream) for k in ("prologue", "body", "epilogue")}},
-        "required": ["first", "tail", "prologue", "body", "epilogue"], "additionalProperties": False,
-    }
-    top = Programs
+    defs["RankProgram"] = _record(RankProgram, {
+        "first": whole, "tail": whole, "prologue": stream, "body": stream, "epilogue": stream})
     kinds = "|".join(sorted(COST_KINDS))
-    schema = {
-        "type": "object", "title": "Programs", "description": " ".join((Programs.__doc__ or "").split()),
-        "properties": {
-            "steps": described("steps", {"type": "integer", "minimum": 1}, top),
-            "checkpoint_every": described("checkpoint_every", whole, top),
-            "ranks": described("ranks", {"type": "array", "items": {"$ref": "#/$defs/RankProgram"}}, top),
-            "groups": described("groups", {"type": "object", "additionalProperties":
-                                           {"type": "array", "items": {"type": "integer", "minimum": 0}}}, top),
-            "weight_syncs": described("weight_syncs", {"type": "object", "additionalProperties":
-                                                       {"$ref": "#/$defs/WeightSyncRecord"}}, top),
-            "durations": described("durations", {"type": "object", "additionalProperties": {"type": "number"},
-                                                 "propertyNames": {"pattern": f"^({kinds})(:.*)?$"}}, top),
-        },
-        "required": ["steps", "checkpoint_every", "ranks", "groups", "weight_syncs", "durations"],
-        "additionalProperties": False,
-    }
+    schema = _record(Programs, {
+        "steps": {"type": "integer", "minimum": 1},
+        "checkpoint_every": whole,
+        "ranks": {"type": "array", "items": {"$ref": "#/$defs/RankProgram"}},
+        "groups": {"type": "object", "additionalProperties": {"type": "array", "items": whole}},
+        "weight_syncs": {"type": "object", "additionalProperties": {"$ref": "#/$defs/WeightSyncRecord"}},
+        "durations": {"type": "object", "additionalProperties": {"type": "number"},
+                      "propertyNames": {"pattern": f"^({kinds})(:.*)?$"}},
+    })
     return schema, defs
+
+
+def _doc(cls: type) -> str:
+    return " ".join((cls.__doc__ or "").split())
+
+
+def _record(cls: type, properties: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON Schema of a pydantic dataclass's data form: `properties` (every field, required), each
+    with the field's description."""
+    fields_ = cls.__pydantic_fields__  # type: ignore[attr-defined]
+    return {"type": "object", "title": cls.__name__, "description": _doc(cls),
+            "properties": {k: {**v, "description": fields_[k].description} for k, v in properties.items()},
+            "required": list(properties), "additionalProperties": False}
 

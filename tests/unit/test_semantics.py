@@ -94,3 +94,11 @@ def test_every_instruction_field_is_described() -> None:
     used = {f.name for t in INSTRUCTION_TYPES.values() for f in fields(t)}
     assert used == set(FIELD_DOCS)
     assert all(FIELD_DOCS[name].strip() for name in used)
+
+
+def test_every_instruction_kind_can_key_a_duration():
+    """`CostKind` names every instruction kind (so adding one fails here until it does) and the two
+    shared kinds, nothing else."""
+    from graphrl.schemas.program import COST_KINDS
+
+    assert COST_KINDS == set(INSTRUCTION_TYPES) | {"Forward", "Rule"}
