@@ -10,8 +10,10 @@
    slower (each rank does half the math on half the rows' worth of weights but waits on an all-reduce
    per row-parallel layer); the point is that the prediction orders the two layouts as measured.
 2. DDMA into tp=2 generator shards against raw `batch_isend_irecv` of the same bytes, from
-   benchmarks/bench_weight_sync.py's `-> tp2` cases (same model): the generator on the trainer's 2 ranks,
-   and on 2 ranks of its own beside a 1-rank trainer (3 processes). Target >= 0.9.
+   benchmarks/bench_weight_sync.py's `-> tp2` cases (same model): on the fsdp=2 trainer's 2 ranks (all
+   but the norms copied rank-locally, against one flat copy of the same bytes), the same with the
+   trainer's ranks swapped (every block crosses), and on 2 ranks of its own beside a 1-rank trainer
+   (3 processes). Target >= 0.9.
 """
 
 from __future__ import annotations

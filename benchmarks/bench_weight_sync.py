@@ -11,7 +11,12 @@ checked bit for bit once. Where trainer and generator share ranks, part of the w
 rank (column `local MB`): the DDMA path copies it from trainer shard to generator shard, and the raw
 baseline copies the same bytes as one flat contiguous tensor per rank, so both deliver every byte.
 
-    python benchmarks/bench_weight_sync.py [--layers 2] [--repeat 5] [--json]
+Into tp=2 shards: on the trainer's own 2 ranks nearly everything stays on its rank (an fsdp trainer
+holds o/down as the column blocks the generator's ranks hold, `fsdp_shard_dim`; only the norms cross);
+with the trainer's 2 ranks in the other order every block crosses; a 1-rank trainer beside a tp=2
+generator (3 ranks) sends each generator rank its shard, gathering o/down's column blocks first.
+
+    python benchmarks/bench_weight_sync.py [--layers 2] [--repeat 15] [--json]
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ CASES = [
     ("fsdp1@0 -> tp1@1, 256 MiB buckets", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 1), 256 * MIB),
     ("fsdp1@0 -> tp1@1, 16 MiB buckets", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 1), 16 * MIB),
     ("fsdp2@0-1 -> tp2@0-1 (shared ranks)", Mesh.contiguous([("dp", 1), ("fsdp", 2), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 0), 256 * MIB),
+    # The same two meshes with the trainer's ranks swapped: every block crosses the link, into tp shards.
+    ("fsdp2@1,0 -> tp2@0-1 (all cross)", Mesh(devices=(1, 0), axes=(("dp", 1), ("fsdp", 2), ("tp", 1), ("pp", 1))), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 0), 256 * MIB),
     # A disaggregated generator, the planner's main case: one trainer rank sends each tp rank its shard.
     ("fsdp1@0 -> tp2@1-2 (3 ranks)", Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 1), ("pp", 1)], 0), Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 1), 256 * MIB),
 ]
@@ -176,7 +183,7 @@ def run_world(world: int, plans: list[tuple[str, WeightSyncRecord]], args: argpa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the benchmark model")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per path; the best is kept")
+    parser.add_argument("--repeat", type=int, default=15, help="timed runs per path; the best is kept")
     parser.add_argument("--json", action="store_true", help="print one JSON object per case")
     args = parser.parse_args()
     dims = model_dims(args.layers)

@@ -171,7 +171,7 @@ def region_of(
 
 def shard_bounds(param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | None = None) -> Region | None:
     """Like `shard_region`, as (start, stop) pairs."""
-    layout = llama_param_layout(param) if layout is None else layout
+    layout = llama_layout_on(mesh)(param) if layout is None else layout
     coords = mesh.coord_tuple(rank)
     num_stages = mesh.size(MeshAxis.PP)
     if num_stages > 1:
@@ -186,7 +186,7 @@ def shard_bounds(param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | 
 def shard_region(
     param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | None = None
 ) -> tuple[slice, ...] | None:
-    """The region of the full tensor `rank` holds under `layout` (default: `llama_param_layout`).
+    """The region of the full tensor `rank` holds under `layout` (default: `llama_layout_on(mesh)`).
 
     None when the rank holds nothing of it (the parameter lives on another pp stage). A region may
     be empty (a dim split into more pieces than it has elements).
@@ -219,15 +219,15 @@ _VOCAB_PARALLEL = {"embed_tokens", "lm_head"}
 _NORMS = {"input_layernorm", "post_attention_layernorm", "norm"}
 
 
-def llama_param_layout(param: ParamInfo, *, tp_sharded: bool = True) -> dict[MeshAxis, Placement]:
+def llama_param_layout(param: ParamInfo, *, tp_sharded: bool = True, fsdp_dim: int = 0) -> dict[MeshAxis, Placement]:
     """Megatron tensor parallel + FSDP2 for Hugging Face Llama parameter names.
 
     tp: q/k/v/gate/up column parallel (Shard(0)); o/down row parallel (Shard(1), a bias replicates);
     embed_tokens and lm_head vocab parallel (Shard(0)); norms replicate. `tp_sharded=False`
-    replicates everything over tp. fsdp shards dim 0 of every parameter (FSDP2); dp and pp replicate.
+    replicates everything over tp. fsdp shards dim 0 of every parameter (FSDP2), or `fsdp_dim` of a
+    row-parallel weight (`llama_layout_on` says when); dp and pp replicate.
     """
-    parts = param.name.split(".")
-    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    module, kind = _module_and_kind(param.name)
     tp: Placement
     if module in _COLUMN_PARALLEL or module in _VOCAB_PARALLEL:
         tp = Shard(0)
@@ -242,7 +242,39 @@ def llama_param_layout(param: ParamInfo, *, tp_sharded: bool = True) -> dict[Mes
         )
     if not tp_sharded:
         tp = Replicate()
-    return {MeshAxis.DP: Replicate(), MeshAxis.FSDP: Shard(0), MeshAxis.TP: tp, MeshAxis.PP: Replicate()}
+    fsdp = Shard(fsdp_dim if module in _ROW_PARALLEL and kind == "weight" else 0)
+    return {MeshAxis.DP: Replicate(), MeshAxis.FSDP: fsdp, MeshAxis.TP: tp, MeshAxis.PP: Replicate()}
+
+
+def _module_and_kind(name: str) -> tuple[str, str]:
+    parts = name.split(".")
+    return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+
+
+def fsdp_shard_dim(name: str, shape: Sequence[int], fsdp: int, tp: int) -> int:
+    """The dim FSDP cuts parameter `name` along, on a copy sharded `fsdp` ways with `tp`-way tensor parallel.
+
+    A row-parallel weight (o_proj, down_proj) is cut along its input dim (1) when the copy has no tp and
+    that dim splits evenly: each fsdp rank then holds whole column blocks, the shards a tensor-parallel
+    generator's rank holds, so a weight sync into tp shards sends (or, on shared ranks, copies)
+    contiguous blocks where row shards would make every sender gather strided columns first.
+    Everything else, and every uneven split (FSDP2 takes dim > 0 only when even), is cut along dim 0.
+    With tp, the tp axis already cuts dim 1 and fsdp nests on dim 0, as torch's 2-D FSDP does.
+    """
+    module, kind = _module_and_kind(name)
+    row_weight = module in _ROW_PARALLEL and kind == "weight" and len(shape) == 2
+    return 1 if row_weight and tp == 1 and fsdp > 1 and shape[1] % fsdp == 0 else 0
+
+
+def llama_layout_on(mesh: Mesh) -> LayoutFn:
+    """`llama_param_layout` for a model copy on `mesh`, fsdp cutting each parameter along
+    `fsdp_shard_dim` (what `executors/parallel.py` tells `fully_shard`)."""
+    fsdp, tp = mesh.size(MeshAxis.FSDP), mesh.size(MeshAxis.TP)
+
+    def layout(param: ParamInfo) -> ParamLayout:
+        return llama_param_layout(param, fsdp_dim=fsdp_shard_dim(param.name, param.shape, fsdp, tp))
+
+    return layout
 
 
 def llama_params(dims: ModelDims) -> list[ParamInfo]:

@@ -23,7 +23,7 @@ from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecor
 
 from graphrl.compiler import cost
 from graphrl.compiler.ddma import plan_summary, plan_weight_sync
-from graphrl.compiler.layout import llama_param_layout, llama_params
+from graphrl.compiler.layout import llama_layout_on, llama_params
 from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.roles import JobShape
 
@@ -74,8 +74,8 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
     schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
-    plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_param_layout, dst_mesh=dst,
-                            dst_layout=llama_param_layout, src_bytes_per_elem=cost.BF16_BYTES,
+    plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
+                            dst_layout=llama_layout_on(dst), src_bytes_per_elem=cost.BF16_BYTES,
                             dst_bytes_per_elem=cost.PRECISION_BYTES[precision], bucket_bytes=bucket_bytes)
     spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
     bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency

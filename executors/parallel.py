@@ -6,7 +6,8 @@ them is a thin adapter whose forward is exactly that computation. Its parameters
 
 - `sharding: fsdp` with more than one data-parallel rank: every decoder layer and then the adapter
   are `fully_shard`ed on a device mesh made from the trainer's process group (parameters become
-  DTensors sharded on dim 0; gathered layer by layer in forward and backward).
+  DTensors sharded on dim 0, o/down weights by column blocks as `fsdp_shard_dim` says, so a weight
+  sync into tensor-parallel shards moves whole blocks; gathered layer by layer in forward and backward).
 - `none`, `zero1`, `zero2`: DDP over the trainer's group (bucketed gradient all-reduce overlapped with
   backward). The ZeRO variants' optimizer-state sharding is a memory-accounting choice of the plan;
   this executor keeps the optimizer state replicated.
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from graphrl.compiler.layout import fsdp_shard_dim
 from graphrl.executors.models.llama import LlamaCritic, token_logprobs_and_entropy, token_values
 
 
@@ -100,13 +102,22 @@ def wrap_trainer(model: nn.Module, sharding: str, group: Any, device: torch.devi
 
         mesh = DeviceMesh.from_group(group, device.type)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
+            fully_shard(layer, mesh=mesh, shard_placement_fn=_fsdp_placements(layer, mesh.size()))
         fully_shard(adapter, mesh=mesh)
         return adapter, "fsdp2"
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(adapter, process_group=group, device_ids=device_ids), "ddp"
+
+
+def _fsdp_placements(layer: nn.Module, fsdp: int) -> Any:
+    """`fully_shard`'s placement for each of a decoder layer's parameters: the dim the plan's layout
+    cuts it along (`fsdp_shard_dim`: o/down weights by column blocks where that splits evenly)."""
+    from torch.distributed.tensor import Shard
+
+    dims = {id(p): fsdp_shard_dim(name, p.shape, fsdp, 1) for name, p in layer.named_parameters()}
+    return lambda param: Shard(dims[id(param)])
 
 
 def trainer_mesh_groups(ranks: tuple[int, ...], tp: int, rank: int, timeout_s: float) -> tuple[Any, Any] | None:

@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import Shard
 
 from graphrl.compiler import weight_sync
 from graphrl.executors.models.llama import Llama, generate
@@ -171,6 +172,22 @@ def case_sync_fsdp2_to_tp4_shared(rank: int, groups: dict[str, Any]) -> dict[str
     return _sync_and_check(rank, data, src, TensorParallelGroup(rank, 4, groups["0123"]), TIED)
 
 
+def case_sync_fsdp2_to_tp2_shared(rank: int, groups: dict[str, Any]) -> dict[str, float]:
+    """FSDP2 trainer and tp=2 generator on ranks 0-1: `wrap_trainer` cuts o/down into the column blocks
+    the generator's ranks hold (`fsdp_shard_dim`), so only the norms cross and the matrices copy in place."""
+    if rank >= 2:
+        return {}
+    data = stored_plan(trainer(0, fsdp=2), generator(0, 2), DIMS)
+    src = seeded_model(DIMS, TRAINED_SEED)
+    wrap_trainer(src, "fsdp", groups["01"], torch.device("cpu"))
+    layer = src.model.layers[0]
+    assert layer.self_attn.o_proj.weight.placements == (Shard(1),), layer.self_attn.o_proj.weight.placements
+    assert layer.mlp.down_proj.weight.placements == (Shard(1),) and layer.mlp.up_proj.weight.placements == (Shard(0),)
+    crossing = {s.param for r in data.rounds for b in r for s in b.slices}
+    assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
+    return _sync_and_check(rank, data, src, TensorParallelGroup(rank, 2, groups["01"]), DIMS)
+
+
 def case_sync_fsdp2xtp2_to_tp2(rank: int, groups: dict[str, Any]) -> dict[str, float]:
     """fsdp2 x tp2 trainer on ranks 0-3 (2-D DTensors: tp shards, each cut again over fsdp, unevenly
     for the 45 SwiGLU rows and 15 vocabulary rows of a tp shard), tp=2 generator on ranks 2-3."""
@@ -186,6 +203,7 @@ def case_sync_fsdp2xtp2_to_tp2(rank: int, groups: dict[str, Any]) -> dict[str, f
 
 CASES = {f.__name__.removeprefix("case_"): f for f in (case_tp2_generation, case_tp4_generation_replicated_kv,
                                                         case_sync_full_to_tp2, case_sync_fsdp2_to_tp4_shared,
+                                                        case_sync_fsdp2_to_tp2_shared,
                                                         case_sync_fsdp2xtp2_to_tp2)}
 
 

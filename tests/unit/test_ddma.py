@@ -289,6 +289,24 @@ def rows(a: int, b: int) -> tuple[tuple[int, int], ...]:
     return ((a, b), (0, 4))
 
 
+def test_fsdp2_to_tp2_on_the_same_ranks_copies_every_weight_matrix_in_place() -> None:
+    """The trainer's fsdp shards of o/down are column blocks (`fsdp_shard_dim`), the tp generator's shards:
+    on shared ranks only the norms (replicated by tp, row-sharded by fsdp) cross, as a rank's missing half."""
+    from graphrl.compiler.weight_sync import ddma_record
+    from graphrl.schemas.hardware import HARDWARE_PRESETS
+
+    dims = ModelDims(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
+    src = Mesh.contiguous([("dp", 1), ("fsdp", 2), ("tp", 1), ("pp", 1)], 0)
+    dst = Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 0)
+    record, _ = ddma_record(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
+    crossing = {s.param for r in record.rounds for b in r for s in b.slices}
+    assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
+    norms = sum(p.num_elements for p in llama_params(dims) if p.name.endswith("norm.weight"))
+    assert record.summary.total_bytes == norms * 2  # each rank receives the other half of every norm
+    # Each rank keeps half of every matrix and of every norm: together, every element once.
+    assert record.summary.local_bytes == sum(p.num_elements for p in llama_params(dims)) * 2
+
+
 def test_hand_computed_tp2_to_tp4_on_other_devices() -> None:
     """One [4, 4] bf16 weight, tp=2 on ranks 0,1 (two rows each) -> tp=4 on ranks 2..5 (one row each)."""
     w = ParamInfo("w", (4, 4))

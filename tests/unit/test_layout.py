@@ -22,6 +22,8 @@ from graphrl.compiler.layout import (
     shard_region,
     split_bounds,
     chunk_bounds,
+    fsdp_shard_dim,
+    llama_layout_on,
 )
 from graphrl.errors import GraphRLError, PlacementError
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
@@ -193,6 +195,35 @@ def test_llama_layout_is_megatron_tp_plus_fsdp2(name: str, tp) -> None:
     assert layout[TP] == tp
     assert layout[FSDP] == Shard(0) and layout[DP] == Replicate()
     assert llama_param_layout(ParamInfo(name, (8, 8), 0, 1), tp_sharded=False)[TP] == Replicate()
+
+
+@pytest.mark.parametrize(
+    "name, shape, fsdp, tp, dim",
+    [
+        ("model.layers.0.self_attn.o_proj.weight", (64, 64), 2, 1, 1),  # column blocks: a tp rank's shard
+        ("model.layers.0.mlp.down_proj.weight", (64, 90), 2, 1, 1),
+        ("model.layers.0.mlp.down_proj.weight", (64, 90), 4, 1, 0),  # 90 / 4 is uneven: FSDP2 takes dim 0 only
+        ("model.layers.0.mlp.down_proj.weight", (64, 90), 2, 2, 0),  # tp cuts dim 1 already; fsdp nests on dim 0
+        ("model.layers.0.mlp.down_proj.weight", (64, 90), 1, 1, 0),  # nothing to shard
+        ("model.layers.0.mlp.up_proj.weight", (90, 64), 2, 1, 0),  # column parallel: rows are the tp shards
+        ("model.embed_tokens.weight", (30, 64), 2, 1, 0),
+        ("model.norm.weight", (64,), 2, 1, 0),
+    ],
+)
+def test_fsdp_cuts_row_parallel_weights_into_column_blocks_where_even(name, shape, fsdp, tp, dim) -> None:
+    assert fsdp_shard_dim(name, shape, fsdp, tp) == dim
+    mesh = Mesh.contiguous([("dp", 1), ("fsdp", fsdp), ("tp", tp), ("pp", 1)], 0)
+    assert llama_layout_on(mesh)(ParamInfo(name, shape, 0, 1))[FSDP] == Shard(dim)
+
+
+def test_an_fsdp_shard_of_a_row_parallel_weight_is_the_tp_shard_on_the_same_ranks() -> None:
+    """fsdp2 and tp2 on the same two ranks hold the same column block of o_proj, and of q_proj the same rows."""
+    fsdp = Mesh.contiguous([("dp", 1), ("fsdp", 2), ("tp", 1), ("pp", 1)], 0)
+    tp = Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 0)
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        param = ParamInfo(name, (64, 64), 0, 1)
+        assert [shard_bounds(param, fsdp, r) for r in (0, 1)] == [shard_bounds(param, tp, r) for r in (0, 1)]
+    assert shard_bounds(ParamInfo("model.layers.0.self_attn.o_proj.weight", (64, 64), 0, 1), fsdp, 1) == ((0, 64), (32, 64))
 
 
 def test_llama_layout_refuses_unknown_names() -> None:
