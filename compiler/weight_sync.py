@@ -3,8 +3,11 @@
 Disaggregated layouts get one DDMA plan (graphrl.compiler.ddma) per trained model that generates:
 the trainer's shards intersected with the generator's shards per parameter, bucketed, in
 contention-free rounds, stored in the plan as a `WeightSyncRecord` and run by a `WeightSync` group
-instruction. Colocated layouts gather the generator's weights in place (`ReshardInPlace`): the same
-devices hold both roles.
+instruction. Colocated layouts reshard in place (`ReshardInPlace`): the same devices hold both roles.
+A tensor-parallel generator there gets a DDMA plan too, run by `ReshardInPlace` under the same
+transfer id: each rank copies what its own trainer shards hold and receives the rest (with an fsdp
+trainer as wide as the generator's tp, only the norms cross; see `fsdp_shard_dim`), where gathering
+the whole model on every rank would need a full transient copy per device and tp times the traffic.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from typing import TYPE_CHECKING, Literal, Mapping
 
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.mesh import Mesh
+from graphrl.schemas.mesh import Mesh, MeshAxis
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.program import CostKey
+from graphrl.schemas.program import CostKey, policy_transfer
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
 
@@ -41,27 +44,36 @@ class WeightSyncPlan:
     """The weight-sync stage's result for the policy."""
 
     kind: Literal["none", "in_place", "ddma"]
-    """No generator; colocated (gather in place); disaggregated (DDMA copy)."""
+    """No generator; colocated (resharded in place, on the trainer's own devices); disaggregated (DDMA copy)."""
     transfer: str
     """The transfer's name in the plan (`model:trainer->generator`)."""
     seconds: float
     """Predicted seconds of one sync."""
     record: WeightSyncRecord | None = None
-    """The DDMA plan the executors run (`ddma` only)."""
+    """The DDMA plan the executors run: always for `ddma`; for `in_place` when the generator is tensor
+    parallel (each rank fills its tp shards from the trainer shards on its own and its neighbours'
+    devices, instead of gathering the whole model)."""
 
 
 def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey, float]) -> WeightSyncPlan:
-    """The policy's weight sync on `layout`: a colocated gather timed by placement (`durations`), or a
+    """The policy's weight sync on `layout`: a colocated reshard timed by placement (`durations`), or a
     DDMA copy planned and timed here."""
     policy = shape.policy
-    transfer = f"{policy.model}:trainer->generator"
+    transfer = policy_transfer(policy.model)
     gen_role = shape.generator
     if gen_role is None:
         return WeightSyncPlan("none", transfer, 0.0)
-    if layout.strategy == "colocated":
-        return WeightSyncPlan("in_place", transfer, durations[CostKey("ReshardInPlace", policy.model)])
     train, gen = shape.policy_meshes(layout)
+    assert gen is not None
     precision = next(p.precision for p in layout.placements if p.role == gen_role.name)
+    if layout.strategy == "colocated":
+        # Timed as placement ranked it; the record only says which slices move (a tp=1 generator needs
+        # the whole model on every rank, which the executor gathers, or shares with a replicated trainer).
+        record = None
+        if gen.size(MeshAxis.TP) > 1:
+            record, _ = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
+                                    precision)
+        return WeightSyncPlan("in_place", transfer, durations[CostKey("ReshardInPlace", policy.model)], record)
     record, seconds = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
                                   precision)
     return WeightSyncPlan("ddma", transfer, seconds, record)
@@ -109,10 +121,11 @@ def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> 
     if not plan.seconds >= 0:
         return [f"predicted sync time {plan.seconds} s"]
     record = plan.record
-    if plan.kind != "ddma":
-        return [] if record is None else ["a record for a sync that is not DDMA"]
-    assert record is not None
     train, gen = shape.policy_meshes(layout)
+    if plan.kind == "none" or (plan.kind == "in_place" and (gen is None or gen.size(MeshAxis.TP) == 1)):
+        return [] if record is None else [f"a DDMA record for the {plan.kind} sync of a generator without tp"]
+    if record is None:
+        return [f"the {plan.kind} sync into a tensor-parallel generator has no DDMA record"]
     problems = []
     if record.src != train:
         problems.append("the record's source mesh is not the trainer's mesh")

@@ -44,6 +44,7 @@ from graphrl.schemas.program import (
     Value,
     WeightSync,
     describe,
+    policy_transfer,
 )
 from graphrl.datasets import prompt_source
 from graphrl.rewards import RewardRuleError, combined_reward
@@ -587,7 +588,11 @@ class RankExecutor:
         if src.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
         if isinstance(dst.module, TensorParallelLlama):
-            dst.module.load_full(full_state_dict(src.module))  # keeps only this rank's shards
+            data = self.programs.weight_syncs.get(policy_transfer(ins.model))
+            if data is not None and data.rounds is not None:  # each rank fills its shards, none gathers the model
+                run_weight_sync(data, self.rank, src.module, dst.module, self.rt)
+            else:  # a plan from before colocated DDMA records, or one too large to store its rounds
+                dst.module.load_full(full_state_dict(src.module))  # keeps only this rank's shards
         elif dst.module is not src.module:
             dst.module.load_state_dict(full_state_dict(src.module))
         dst.version = ins.version

@@ -213,9 +213,15 @@ class WeightSync:
     kind: ClassVar[str] = "collective"
 
 
+def policy_transfer(model: str) -> str:
+    """The id of `model`'s trainer -> generator weight sync in `Programs.weight_syncs`."""
+    return f"{model}:trainer->generator"
+
+
 @instruction
 class ReshardInPlace:
-    """Colocated: gather the generator's tensor-parallel weights from the trainer's shards on the same devices."""
+    """Colocated: fill the generator's weights from the trainer's shards on the same devices (a
+    tensor-parallel generator by the DDMA plan `Programs.weight_syncs[policy_transfer(model)]`)."""
 
     model: ModelName
     version: Version

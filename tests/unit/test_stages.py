@@ -141,3 +141,48 @@ def test_debug_compile_checks_every_stage(monkeypatch) -> None:  # noqa: ANN001
     debug = CliRunner().invoke(main, ["--debug", "compile", str(EXAMPLES / "grpo_tiny.yaml"), "--plan", "--format", "json"])
     assert debug.exit_code == 0, debug.output
     assert len(checked) == len(PIPELINE)
+
+
+COLOCATED_TP2 = ["cluster=local-cpu-2", "placement.strategy=colocated", "placement.roles.policy.tp=1",
+                 "placement.roles.policy.sharding=fsdp", "placement.roles.policy/generate.tp=2"]
+
+
+def _job_with(name: str, *sets: str):  # noqa: ANN202
+    from graphrl.loader import apply_overrides, parse_override
+
+    return apply_overrides(load_job(str(EXAMPLES / name)), [parse_override(s) for s in sets])
+
+
+def test_a_colocated_tensor_parallel_generator_is_filled_by_a_ddma_record() -> None:
+    """Colocated fsdp2 trainer, tp2 generator on the same 2 ranks: `ReshardInPlace` runs the stored DDMA
+    plan (policy_transfer's id), which copies the weight matrices rank-locally and sends only the norms."""
+    from graphrl.compiler.compile import compile_job
+    from graphrl.schemas.program import ReshardInPlace, policy_transfer
+
+    job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2)
+    plan = compile_job(job, job_cluster(job, None))
+    assert plan.chosen.strategy == "colocated"
+    record = plan.programs.weight_syncs[policy_transfer("policy")]
+    assert record.src.devices == record.dst.devices == (0, 1) and record.rounds is not None
+    crossing = {s.param for r in record.rounds for b in r for s in b.slices}
+    assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
+    assert record.summary.local_bytes > 100 * record.summary.total_bytes
+    assert any(isinstance(i, ReshardInPlace) for r in plan.programs.ranks for i in r.body)
+    # A tp=1 generator needs the whole model on each rank: no record, the executor gathers or shares.
+    job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2[:-1], "placement.roles.policy/generate.tp=1")
+    tp1 = compile_job(job, job_cluster(job, None))
+    assert tp1.chosen.strategy == "colocated" and tp1.programs.weight_syncs == {}
+
+
+def test_a_colocated_tensor_parallel_sync_without_its_record_is_caught() -> None:
+    from graphrl.compiler.weight_sync import check_weight_sync
+
+    job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2)
+    cluster = job_cluster(job, None)
+    ctx = CompileContext(job.spec, cluster, resolve_hardware(cluster), {"steps": 4})
+    upto = [p for p in PIPELINE[:PIPELINE.index(next(p for p in PIPELINE if p.name == "weight_sync")) + 1]]
+    graph = run_passes(build_graph(job.spec), ctx, upto)
+    placed, sync = graph["placement"], graph["weight_sync"]
+    assert sync.kind == "in_place" and check_weight_sync(sync, placed.shape, placed.chosen) == []
+    problems = check_weight_sync(dataclasses.replace(sync, record=None), placed.shape, placed.chosen)
+    assert problems == ["the in_place sync into a tensor-parallel generator has no DDMA record"]
