@@ -4,10 +4,12 @@ Disaggregated layouts get one DDMA plan (graphrl.compiler.ddma) per trained mode
 the trainer's shards intersected with the generator's shards per parameter, bucketed, in
 contention-free rounds, stored in the plan as a `WeightSyncRecord` and run by a `WeightSync` group
 instruction. Colocated layouts reshard in place (`ReshardInPlace`): the same devices hold both roles.
-A tensor-parallel generator there gets a DDMA plan too, run by `ReshardInPlace` under the same
-transfer id: each rank copies what its own trainer shards hold and receives the rest (with an fsdp
-trainer as wide as the generator's tp, only the norms cross; see `fsdp_shard_dim`), where gathering
-the whole model on every rank would need a full transient copy per device and tp times the traffic.
+Executors fill a tensor-parallel generator there by the same planner (`policy_sync_record`, planned
+when the run starts, not stored: on large meshes the rounds would dominate the plan and its compile
+time): each rank copies what its own trainer shards hold and receives the rest (with an fsdp trainer
+as wide as the generator's tp, only the norms cross; see `fsdp_shard_dim`), where gathering the whole
+model on every rank would need a full transient copy per device and tp times the traffic. A plan
+too large to store its DDMA rounds (`MAX_STORED_BUCKETS`) is replanned the same way.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from typing import TYPE_CHECKING, Literal, Mapping
 
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.mesh import Mesh, MeshAxis
+from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.program import CostKey, policy_transfer
-from graphrl.schemas.plan import Layout
+from graphrl.errors import RunError
+from graphrl.schemas.plan import Layout, Plan
 from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
 
 from graphrl.compiler import cost
@@ -50,9 +53,7 @@ class WeightSyncPlan:
     seconds: float
     """Predicted seconds of one sync."""
     record: WeightSyncRecord | None = None
-    """The DDMA plan the executors run: always for `ddma`; for `in_place` when the generator is tensor
-    parallel (each rank fills its tp shards from the trainer shards on its own and its neighbours'
-    devices, instead of gathering the whole model)."""
+    """The DDMA plan the executors run (`ddma` only)."""
 
 
 def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey, float]) -> WeightSyncPlan:
@@ -63,17 +64,10 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
     gen_role = shape.generator
     if gen_role is None:
         return WeightSyncPlan("none", transfer, 0.0)
-    train, gen = shape.policy_meshes(layout)
-    assert gen is not None
-    precision = next(p.precision for p in layout.placements if p.role == gen_role.name)
     if layout.strategy == "colocated":
-        # Timed as placement ranked it; the record only says which slices move (a tp=1 generator needs
-        # the whole model on every rank, which the executor gathers, or shares with a replicated trainer).
-        record = None
-        if gen.size(MeshAxis.TP) > 1:
-            record, _ = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
-                                    precision)
-        return WeightSyncPlan("in_place", transfer, durations[CostKey("ReshardInPlace", policy.model)], record)
+        return WeightSyncPlan("in_place", transfer, durations[CostKey("ReshardInPlace", policy.model)])
+    train, gen = shape.policy_meshes(layout)
+    precision = next(p.precision for p in layout.placements if p.role == gen_role.name)
     record, seconds = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
                                   precision)
     return WeightSyncPlan("ddma", transfer, seconds, record)
@@ -81,8 +75,14 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
 
 @functools.lru_cache(maxsize=16)
 def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
-                precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
+                precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES,
+                rank: int | None = None) -> tuple[WeightSyncRecord, float]:
     """Plan the trainer -> generator weight copy; return (the record the plan stores, predicted seconds).
+
+    The record keeps its rounds when they hold at most `MAX_STORED_BUCKETS` buckets. With `rank`, it
+    keeps them whatever their number, but only the buckets and local copies `rank` takes part in (each
+    round in place, maybe empty): what that rank's executor runs, in memory that does not grow with
+    the mesh. The summary always describes the whole sync.
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
     schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
@@ -92,21 +92,39 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
     spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
     bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency
     seconds = sum(r.max_bucket_bytes / bw + hw.link_latency_s for r in plan.rounds)
-    stored = plan.num_buckets <= MAX_STORED_BUCKETS
+    stored = rank is not None or plan.num_buckets <= MAX_STORED_BUCKETS
 
     def slices(bucket) -> tuple[Slice, ...]:  # noqa: ANN001
         return tuple(Slice(s.param, tuple(tuple(x) for x in s.src_region)) for s in bucket.slices)
+
+    def mine(*ranks: int) -> bool:
+        return rank is None or rank in ranks
 
     record = WeightSyncRecord(
         model=model,
         src=src, dst=dst,
         src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
         bucket_bytes=bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=seconds,
-        rounds=[[Bucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets] for r in plan.rounds]
-        if stored else None,
-        local=[LocalCopy(b.src, b.num_bytes, slices(b)) for b in plan.local_copies] if stored else [],
+        rounds=[[Bucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets if mine(b.src, b.dst)]
+                for r in plan.rounds] if stored else None,
+        local=[LocalCopy(b.src, b.num_bytes, slices(b)) for b in plan.local_copies if mine(b.src)] if stored else [],
     )
     return record, seconds
+
+
+def policy_sync_record(plan: Plan, model: str, rank: int) -> WeightSyncRecord:
+    """`rank`'s part of `model`'s trainer -> generator DDMA plan on the plan's chosen layout, exactly as
+    `ddma_record` plans it at compile time (the planner is deterministic; the result is cached).
+    What executors run where the plan holds no rounds: a colocated tensor-parallel generator, or a
+    disaggregated sync whose rounds were too many to store."""
+    by_kind = {p.kind: p for p in plan.chosen.placements if p.model == model and p.kind in ("train", "generate")}
+    if set(by_kind) != {"train", "generate"}:
+        raise RunError(f"the plan has no trainer and generator of {model} to sync weights between")
+    train, gen = by_kind["train"], by_kind["generate"]
+    dims = plan.job.models[model].resolved_dims()
+    record, _ = ddma_record(dims, model, plan.hardware, plan.cluster.devices_per_node, plan.chosen.role_mesh(train),
+                            plan.chosen.role_mesh(gen), gen.precision, DDMA_BUCKET_BYTES, rank)
+    return record
 
 
 def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> list[str]:
@@ -121,11 +139,10 @@ def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> 
     if not plan.seconds >= 0:
         return [f"predicted sync time {plan.seconds} s"]
     record = plan.record
+    if plan.kind != "ddma":
+        return [] if record is None else ["a record for a sync that is not DDMA"]
+    assert record is not None
     train, gen = shape.policy_meshes(layout)
-    if plan.kind == "none" or (plan.kind == "in_place" and (gen is None or gen.size(MeshAxis.TP) == 1)):
-        return [] if record is None else [f"a DDMA record for the {plan.kind} sync of a generator without tp"]
-    if record is None:
-        return [f"the {plan.kind} sync into a tensor-parallel generator has no DDMA record"]
     problems = []
     if record.src != train:
         problems.append("the record's source mesh is not the trainer's mesh")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from graphrl.errors import RunError
+from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.ir import build_graph
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.mesh import Mesh
@@ -44,13 +45,13 @@ from graphrl.schemas.program import (
     Value,
     WeightSync,
     describe,
-    policy_transfer,
 )
 from graphrl.datasets import prompt_source
 from graphrl.rewards import RewardRuleError, combined_reward
 from graphrl.tasks import REWARDS, resolve_callable
 
 from graphrl.compiler.semantics import SEMANTICS
+from graphrl.compiler.weight_sync import policy_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
@@ -572,8 +573,21 @@ class RankExecutor:
         self.rt.move_state(self.roles[ins.role], ins.state, to_host=False)
         self.roles[ins.role].offloaded -= set(ins.state)
 
+    def _sync_record(self, model: str, stored: WeightSyncRecord | None = None) -> WeightSyncRecord:
+        """The DDMA plan this rank runs for `model`'s sync: the stored one, or, where the plan holds no
+        rounds (a colocated tensor-parallel generator; too many buckets to store), this rank's part of
+        the same planner's, planned once per run and checked against the stored summary."""
+        if stored is not None and stored.rounds is not None:
+            return stored
+        record = policy_sync_record(self.plan, model, self.rank)
+        if stored is not None and record.summary != stored.summary:
+            raise RunError(f"the weight sync of {model} replanned here differs from the plan's ({record.summary.num_buckets} "
+                           f"buckets, the plan says {stored.summary.num_buckets})",
+                           fix="run the plan with the graphrl version that compiled it, or compile it again")
+        return record
+
     def weight_sync(self, ins: WeightSync) -> None:
-        data = self.programs.weight_syncs[ins.transfer]
+        data = self._sync_record(ins.model, self.programs.weight_syncs[ins.transfer])
         src_role = self.roles.get(ins.model)
         dst_role = self.roles.get(f"{ins.model}/generate")
         if src_role is not None and src_role.placement.kind == "train" and src_role.version != ins.version:
@@ -587,12 +601,8 @@ class RankExecutor:
         src, dst = self.roles[ins.src_role], self.roles[ins.dst_role]
         if src.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
-        if isinstance(dst.module, TensorParallelLlama):
-            data = self.programs.weight_syncs.get(policy_transfer(ins.model))
-            if data is not None and data.rounds is not None:  # each rank fills its shards, none gathers the model
-                run_weight_sync(data, self.rank, src.module, dst.module, self.rt)
-            else:  # a plan from before colocated DDMA records, or one too large to store its rounds
-                dst.module.load_full(full_state_dict(src.module))  # keeps only this rank's shards
+        if isinstance(dst.module, TensorParallelLlama):  # each rank fills its shards; none gathers the model
+            run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt)
         elif dst.module is not src.module:
             dst.module.load_state_dict(full_state_dict(src.module))
         dst.version = ins.version

@@ -221,7 +221,7 @@ def policy_transfer(model: str) -> str:
 @instruction
 class ReshardInPlace:
     """Colocated: fill the generator's weights from the trainer's shards on the same devices (a
-    tensor-parallel generator by the DDMA plan `Programs.weight_syncs[policy_transfer(model)]`)."""
+    tensor-parallel generator's by the DDMA planner, `compiler/weight_sync.py:policy_sync_record`)."""
 
     model: ModelName
     version: Version

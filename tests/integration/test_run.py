@@ -56,6 +56,29 @@ def test_async_disaggregated_run_uses_the_planned_stale_versions(tmp_path):
     assert all("clipped_frac" in r for r in rows)  # the AIPO loss ran
 
 
+def test_a_plan_without_stored_sync_rounds_replans_them_and_runs_the_same(tmp_path, monkeypatch):
+    """A DDMA plan with more buckets than a plan stores keeps only its summary; each rank replans the
+    rounds when the run starts, checks them against the summary, and the run is the same."""
+    from graphrl.compiler import weight_sync
+    from graphrl.plan_io import load_plan
+
+    args = ["run", str(EXAMPLES / "aipo_async_tiny.yaml"), "--steps", "3", "-q"]
+    out = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "stored")])
+    assert out.exit_code == 0, out.output
+    weight_sync.ddma_record.cache_clear()
+    monkeypatch.setattr(weight_sync, "MAX_STORED_BUCKETS", 0)
+    try:
+        out = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "replanned")])
+    finally:
+        weight_sync.ddma_record.cache_clear()
+    assert out.exit_code == 0, out.output
+    (record,) = load_plan(tmp_path / "replanned" / "plan.msgpack").programs.weight_syncs.values()
+    assert record.rounds is None and record.summary.num_buckets > 0
+    drop = {"step_time_s", "tokens_per_s"}
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
+    assert strip(metrics(tmp_path / "replanned")) == strip(metrics(tmp_path / "stored"))
+
+
 def test_same_job_runs_sync_when_overridden(tmp_path):
     out = CliRunner().invoke(main, ["run", str(EXAMPLES / "aipo_async_tiny.yaml"), "--steps", "3", "--schedule", "sync",
                                     "--out", str(tmp_path), "-q"])

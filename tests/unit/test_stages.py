@@ -153,36 +153,38 @@ def _job_with(name: str, *sets: str):  # noqa: ANN202
     return apply_overrides(load_job(str(EXAMPLES / name)), [parse_override(s) for s in sets])
 
 
-def test_a_colocated_tensor_parallel_generator_is_filled_by_a_ddma_record() -> None:
-    """Colocated fsdp2 trainer, tp2 generator on the same 2 ranks: `ReshardInPlace` runs the stored DDMA
-    plan (policy_transfer's id), which copies the weight matrices rank-locally and sends only the norms."""
+def test_a_colocated_tensor_parallel_generator_is_filled_by_the_ddma_planner() -> None:
+    """Colocated fsdp2 trainer, tp2 generator on the same 2 ranks: the plan stores no DDMA rounds (the
+    executor plans them when the run starts), and that plan copies the weight matrices rank-locally and
+    sends only the norms."""
     from graphrl.compiler.compile import compile_job
-    from graphrl.schemas.program import ReshardInPlace, policy_transfer
+    from graphrl.compiler.weight_sync import policy_sync_record
+    from graphrl.schemas.program import ReshardInPlace
 
     job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2)
     plan = compile_job(job, job_cluster(job, None))
-    assert plan.chosen.strategy == "colocated"
-    record = plan.programs.weight_syncs[policy_transfer("policy")]
+    assert plan.chosen.strategy == "colocated" and plan.programs.weight_syncs == {}
+    assert any(isinstance(i, ReshardInPlace) for r in plan.programs.ranks for i in r.body)
+    record = policy_sync_record(plan, "policy", 1)
     assert record.src.devices == record.dst.devices == (0, 1) and record.rounds is not None
     crossing = {s.param for r in record.rounds for b in r for s in b.slices}
     assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
     assert record.summary.local_bytes > 100 * record.summary.total_bytes
-    assert any(isinstance(i, ReshardInPlace) for r in plan.programs.ranks for i in r.body)
-    # A tp=1 generator needs the whole model on each rank: no record, the executor gathers or shares.
-    job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2[:-1], "placement.roles.policy/generate.tp=1")
-    tp1 = compile_job(job, job_cluster(job, None))
-    assert tp1.chosen.strategy == "colocated" and tp1.programs.weight_syncs == {}
+    assert record.local and all(c.rank == 1 for c in record.local)  # rank 1's part only
 
 
-def test_a_colocated_tensor_parallel_sync_without_its_record_is_caught() -> None:
-    from graphrl.compiler.weight_sync import check_weight_sync
+def test_replanning_a_stored_weight_sync_gives_each_rank_its_part_of_the_same_record() -> None:
+    """What an executor relies on when a plan holds no rounds: the planner is deterministic, and a
+    rank's part holds exactly the stored buckets and local copies that rank takes part in."""
+    from graphrl.compiler.compile import compile_job
+    from graphrl.compiler.weight_sync import ddma_record, policy_sync_record
 
-    job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2)
-    cluster = job_cluster(job, None)
-    ctx = CompileContext(job.spec, cluster, resolve_hardware(cluster), {"steps": 4})
-    upto = [p for p in PIPELINE[:PIPELINE.index(next(p for p in PIPELINE if p.name == "weight_sync")) + 1]]
-    graph = run_passes(build_graph(job.spec), ctx, upto)
-    placed, sync = graph["placement"], graph["weight_sync"]
-    assert sync.kind == "in_place" and check_weight_sync(sync, placed.shape, placed.chosen) == []
-    problems = check_weight_sync(dataclasses.replace(sync, record=None), placed.shape, placed.chosen)
-    assert problems == ["the in_place sync into a tensor-parallel generator has no DDMA record"]
+    job = load_job(str(EXAMPLES / "aipo_async_tiny.yaml"))
+    plan = compile_job(job, job_cluster(job, None))
+    (stored,) = plan.programs.weight_syncs.values()
+    ddma_record.cache_clear()
+    for rank in range(plan.cluster.num_devices):
+        part = policy_sync_record(plan, "policy", rank)
+        assert part.summary == stored.summary and part.src == stored.src and part.dst == stored.dst
+        assert part.rounds == [[b for b in r if rank in (b.src, b.dst)] for r in stored.rounds]
+        assert part.local == [c for c in stored.local if c.rank == rank]
