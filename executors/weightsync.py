@@ -66,9 +66,9 @@ def execute_weight_sync(
     as index tuples into its shards (`_rank_sync`); a sync then only slices, posts and copies.
     """
     if data.rounds is None:
-        raise RunError(f"the weight sync of {data.model} has {data.summary.num_buckets} buckets; its "
-                       "rounds are not stored in the plan and this executor does not replan them",
-                       fix="run this plan size on a cluster build, or compile a smaller job")
+        raise RunError(f"the weight sync of {data.model} holds only its summary ({data.summary.num_buckets} "
+                       "buckets), no rounds to run",
+                       fix="pass this rank's part of the plan (compiler/weight_sync.py:policy_sync_record)")
     program = _rank_sync(data, rank, src_shards, dst_shards, wire_dtype)
     src = {name: tensor for name, (tensor, _) in src_shards.items()}
     dst = {name: tensor for name, (tensor, _) in dst_shards.items()}
