@@ -21,6 +21,7 @@ candidate's label, so the same job and cluster always give the same plan.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -31,6 +32,7 @@ from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
 from graphrl.schemas.mesh import Mesh
+from graphrl.schemas.model import ModelDims
 from graphrl.schemas.plan import (
     CandidateSummary,
     DeviceMemory,
@@ -43,6 +45,7 @@ from graphrl.schemas.plan import (
 from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
+from graphrl.compiler.layout import llama_params, shard_bounds
 from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 
@@ -392,16 +395,45 @@ def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, f
 
 def reshard_in_place_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
     """Colocated: each device gathers its generator tp shard from the trainer's shards, one all-gather
-    per weight tensor. Replicated trainer weights (no FSDP) with the generator's tp are read in place."""
+    per weight tensor. Replicated trainer weights (no FSDP) with the generator's tp are read in place.
+    An fsdp trainer exactly as wide as one tp generator already holds, on each device, that device's tp
+    shard of every tensor whose cuts line up (`fsdp_shard_dim`): only the others are gathered."""
     role = p.policy
     weights = cost.weight_bytes(role.dims, cost.BF16_BYTES)
     group = train.dp * train.fsdp
     if (group <= 1 or train.sharding != "fsdp") and train.tp == gen.tp:
         return 0.0, 0.0
     group = max(group, 2)
+    spans = p.spans(0, p.num_devices)
+    if train.tp == 1 and train.dp == 1 and train.sharding == "fsdp" and train.fsdp == gen.tp == gen.n:
+        shard_bytes, tensors = unaligned_tp_shards(role.dims, gen.tp)
+        if not tensors:
+            return 0.0, 0.0
+        return cost.chunked_collective_time("all_gather", shard_bytes, tensors, group, p.hw, spans), shard_bytes
     t = cost.chunked_collective_time("all_gather", weights / gen.tp, cost.param_tensor_count(role.dims), group,
-                                     p.hw, p.spans(0, p.num_devices))
+                                     p.hw, spans)
     return t, weights * gen.dp
+
+
+@functools.lru_cache(maxsize=64)
+def unaligned_tp_shards(dims: ModelDims, tp: int) -> tuple[float, int]:
+    """(bf16 bytes of one device's tp shards, tensor count) of the tensors whose tp shard is not what an
+    fsdp shard over the same `tp` devices holds: the norms (tp replicates them, fsdp cuts them),
+    replicated KV heads, row-parallel weights whose columns do not split evenly."""
+    fsdp = Mesh.contiguous([("dp", 1), ("fsdp", tp), ("tp", 1), ("pp", 1)], 0)
+    gen = Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", tp), ("pp", 1)], 0)
+    shard_bytes, tensors = 0.0, 0
+    for param in llama_params(dims):
+        if param.layer not in (None, 0):
+            continue  # every layer is laid out as layer 0
+        if all(shard_bounds(param, fsdp, r) == shard_bounds(param, gen, r) for r in range(tp)):
+            continue
+        copies = dims.num_layers if param.layer == 0 else 1
+        region = shard_bounds(param, gen, 0)
+        assert region is not None
+        shard_bytes += copies * math.prod(b - a for a, b in region) * cost.BF16_BYTES
+        tensors += copies
+    return shard_bytes, tensors
 
 
 def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
@@ -755,7 +787,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             t, b = reshard_in_place_time(p, train, gen)
             operations.append(Operation(
                 kind="reshard_in_place", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
-                detail=f"gather tp{gen.tp} generator weights from the trainer's {train.sharding} shards"))
+                detail=f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards" if b else
+                "the generator reads the trainer's weights in place"))
             resident = resident_while_generating(mem)
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))

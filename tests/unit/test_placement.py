@@ -147,3 +147,45 @@ def test_unknown_cluster_is_a_located_error():
 
 def test_placement_error_type():
     assert issubclass(PlacementError, Exception)
+
+
+def test_an_fsdp_trainer_as_wide_as_its_colocated_tp_generator_gathers_only_the_tensors_cut_differently():
+    """fsdp=n beside tp=n on the same n devices: each device already holds its tp shard of every matrix
+    (`fsdp_shard_dim`), so the in-place reshard gathers the norms, plus the row-parallel weights whose
+    columns do not split evenly; the executor's DDMA plan moves the same tensors and nothing else."""
+    from graphrl.compiler.placement import unaligned_tp_shards
+    from graphrl.compiler.weight_sync import ddma_record
+    from graphrl.schemas.hardware import HARDWARE_PRESETS
+    from graphrl.schemas.mesh import Mesh
+    from graphrl.schemas.model import ModelDims
+
+    dims = ModelDims(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=4)
+    norms = 2 * dims.num_layers + 1
+    assert unaligned_tp_shards(dims, 2) == (norms * 64 * 2, norms)
+    odd = dims.model_copy(update={"intermediate_size": 90})  # 90 columns of down_proj do not split 4 ways
+    assert unaligned_tp_shards(odd, 4) == (norms * 64 * 2 + dims.num_layers * 64 * 23 * 2, norms + dims.num_layers)
+    for d, tp in ((dims, 2), (odd, 4)):
+        src = Mesh.contiguous([("dp", 1), ("fsdp", tp), ("tp", 1), ("pp", 1)], 0)
+        dst = Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", tp), ("pp", 1)], 0)
+        record, _ = ddma_record(d, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
+        moved = {s.param.split(".")[-2] for r in record.rounds for b in r for s in b.slices}
+        assert moved == {"input_layernorm", "post_attention_layernorm", "norm"} | ({"down_proj"} if tp == 4 else set())
+
+
+def test_a_colocated_generator_as_wide_as_an_fsdp_trainer_reshards_for_less_than_a_gather():
+    from graphrl.compiler.hardware import resolve_hardware
+    from graphrl.compiler.passes import CompileContext, run_passes
+    from graphrl.compiler.pipeline import FRONT
+    from graphrl.compiler.placement import GenCfg, TrainCfg, make_problem, reshard_in_place_time, unaligned_tp_shards
+    from graphrl.ir import build_graph
+
+    job = load_job(EXAMPLES / "grpo_tiny.yaml")
+    cluster = job_cluster(job, "local-cpu-2")
+    hw = resolve_hardware(cluster)
+    problem = make_problem(run_passes(build_graph(job.spec), CompileContext(job.spec, cluster, hw), FRONT), cluster, hw)
+    fsdp2 = TrainCfg(0, 2, 1, 2, 1, 1, "fsdp", False, False)
+    aligned_s, aligned_bytes = reshard_in_place_time(problem, fsdp2, GenCfg(0, 2, 2, "bf16"))
+    assert aligned_bytes == unaligned_tp_shards(problem.policy.dims, 2)[0] > 0
+    hsdp = TrainCfg(0, 2, 2, 1, 1, 1, "fsdp", False, False)  # dp2 x fsdp1: no device holds a tp shard
+    gather_s, gather_bytes = reshard_in_place_time(problem, hsdp, GenCfg(0, 2, 2, "bf16"))
+    assert 0 < aligned_s < gather_s and aligned_bytes < gather_bytes
