@@ -56,8 +56,8 @@ from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_folders, finish_checkpoint
-from graphrl.executors.parallel import (clip_grad_norm, full_state_dict, tensor_parallel_infer, trainer_mesh_groups,
-                                        wrap_tensor_parallel_trainer, wrap_trainer)
+from graphrl.executors.parallel import (clip_grad_norm, copy_full_weights, full_state_dict, tensor_parallel_infer,
+                                        trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import COLLECTIVE_TIMEOUT_S, Runtime
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
@@ -604,7 +604,7 @@ class RankExecutor:
         if isinstance(dst.module, TensorParallelLlama):  # each rank fills its shards; none gathers the model
             run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt)
         elif dst.module is not src.module:
-            dst.module.load_state_dict(full_state_dict(src.module))
+            copy_full_weights(dst.module, src.module)
         dst.version = ins.version
 
     def release_weights(self, ins: ReleaseWeights) -> None:
@@ -616,8 +616,9 @@ class RankExecutor:
         roles = {name: r for name, r in self.roles.items() if r.placement.kind == "train"}
         group = self.rt.group(ins.group)
         partial, final = checkpoint_folders(self.out_dir, ins.step)
-        # Sharded weights are gathered by every rank of the shard group (a collective), then saved once.
-        weights = {name: full_state_dict(r.module) for name, r in roles.items()}
+        # Sharded weights are gathered tensor by tensor by every rank of the shard group (a collective);
+        # only the reporting rank keeps them, in host memory, and saves them once.
+        weights = {name: full_state_dict(r.module, keep=self.is_reporter, to_host=True) for name, r in roles.items()}
         if self.is_reporter:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)

@@ -223,10 +223,29 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return total
 
 
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Unsharded weights (a collective over the shard group when the model is FSDP2-sharded)."""
+def full_state_dict(model: nn.Module, *, keep: bool = True, to_host: bool = False) -> dict[str, Tensor]:
+    """Unsharded weights, gathered tensor by tensor (a collective per tensor over the shard group when
+    the model is sharded, so every rank of it calls this). `keep=False`: take part in the gathers but
+    keep nothing (a rank that does not write them); `to_host`: move each full tensor to host memory as
+    soon as it is gathered, so the device holds one full tensor at a time, never the whole model."""
     out = {}
     for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        out[name] = full.detach()
+        full = _full(tensor)
+        if keep:
+            out[name] = full.to("cpu") if to_host else full
     return out
+
+
+def copy_full_weights(dst: nn.Module, src: nn.Module) -> None:
+    """`dst`'s weights (whole tensors) := `src`'s, gathered tensor by tensor as `full_state_dict` does
+    and copied in place, so no full copy of the model exists beside the two modules."""
+    target, source = dst.state_dict(), src.state_dict()
+    if set(target) != set(source):
+        raise RuntimeError(f"weights differ: {sorted(set(target) ^ set(source))[:4]}")
+    with torch.no_grad():
+        for name, tensor in source.items():
+            target[name].copy_(_full(tensor))
+
+
+def _full(tensor: Tensor) -> Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()

@@ -371,3 +371,20 @@ def test_hugging_face_checkpoint_round_trip(tmp_path, tie: bool) -> None:
     hf_again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf_again(input_ids=ids).logits.float(), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_full_weights_are_copied_in_place_and_kept_only_where_asked(tie: bool) -> None:
+    """What the executor gathers with (one tensor at a time): `copy_full_weights` fills an existing
+    module exactly; `full_state_dict(keep=False)` keeps nothing, `to_host` keeps host tensors."""
+    from graphrl.executors.parallel import copy_full_weights, full_state_dict
+
+    dims = DIMS.model_copy(update={"tie_embeddings": tie})
+    src, dst = _spread(Llama(dims), seed=1), _spread(Llama(dims), seed=2)
+    copy_full_weights(dst, src)
+    assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), src.state_dict().values()))
+    assert full_state_dict(src, keep=False) == {}
+    kept = full_state_dict(src, to_host=True)
+    assert set(kept) == set(src.state_dict()) and all(t.device.type == "cpu" for t in kept.values())
+    with pytest.raises(RuntimeError, match="weights differ"):
+        copy_full_weights(dst, Llama(dims.model_copy(update={"num_layers": 1})))
