@@ -224,8 +224,8 @@ def llama_param_layout(param: ParamInfo, *, tp_sharded: bool = True, fsdp_dim: i
 
     tp: q/k/v/gate/up column parallel (Shard(0)); o/down row parallel (Shard(1), a bias replicates);
     embed_tokens and lm_head vocab parallel (Shard(0)); norms replicate. `tp_sharded=False`
-    replicates everything over tp. fsdp shards dim 0 of every parameter (FSDP2), or `fsdp_dim` of a
-    row-parallel weight (`llama_layout_on` says when); dp and pp replicate.
+    replicates everything over tp. fsdp shards dim `fsdp_dim` (FSDP2; `llama_layout_on` picks it per
+    parameter by `fsdp_shard_dim`, 0 for all but row-parallel weights); dp and pp replicate.
     """
     module, kind = _module_and_kind(param.name)
     tp: Placement
@@ -242,8 +242,7 @@ def llama_param_layout(param: ParamInfo, *, tp_sharded: bool = True, fsdp_dim: i
         )
     if not tp_sharded:
         tp = Replicate()
-    fsdp = Shard(fsdp_dim if module in _ROW_PARALLEL and kind == "weight" else 0)
-    return {MeshAxis.DP: Replicate(), MeshAxis.FSDP: fsdp, MeshAxis.TP: tp, MeshAxis.PP: Replicate()}
+    return {MeshAxis.DP: Replicate(), MeshAxis.FSDP: Shard(fsdp_dim), MeshAxis.TP: tp, MeshAxis.PP: Replicate()}
 
 
 def _module_and_kind(name: str) -> tuple[str, str]:

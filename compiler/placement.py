@@ -45,7 +45,7 @@ from graphrl.schemas.plan import (
 from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
-from graphrl.compiler.layout import llama_params, shard_bounds
+from graphrl.compiler.layout import llama_params, region_size, shard_bounds
 from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 
@@ -431,7 +431,7 @@ def unaligned_tp_shards(dims: ModelDims, tp: int) -> tuple[float, int]:
         copies = dims.num_layers if param.layer == 0 else 1
         region = shard_bounds(param, gen, 0)
         assert region is not None
-        shard_bytes += copies * math.prod(b - a for a, b in region) * cost.BF16_BYTES
+        shard_bytes += copies * region_size(region) * cost.BF16_BYTES
         tensors += copies
     return shard_bytes, tensors
 

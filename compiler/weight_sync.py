@@ -22,7 +22,7 @@ from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.program import CostKey, policy_transfer
+from graphrl.schemas.program import CostKey
 from graphrl.errors import RunError
 from graphrl.schemas.plan import Layout, Plan
 from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
@@ -60,7 +60,7 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
     """The policy's weight sync on `layout`: a colocated reshard timed by placement (`durations`), or a
     DDMA copy planned and timed here."""
     policy = shape.policy
-    transfer = policy_transfer(policy.model)
+    transfer = f"{policy.model}:trainer->generator"
     gen_role = shape.generator
     if gen_role is None:
         return WeightSyncPlan("none", transfer, 0.0)

@@ -133,6 +133,8 @@ class RankExecutor:
         self.rank = runtime.rank
         self.out_dir = out_dir
         self.programs = plan.programs
+        # This rank's part of each weight sync the plan holds no rounds for, planned at its first use.
+        self.replanned_syncs: dict[str, WeightSyncRecord] = {}
         self.graph = build_graph(plan.job)
         self.nodes = {n.name: n for n in self.graph.nodes()}
         self.inputs = {n.name: {e.dst_port: (e.src, e.src_port) for e in self.graph.in_edges(n.name)}
@@ -576,14 +578,17 @@ class RankExecutor:
     def _sync_record(self, model: str, stored: WeightSyncRecord | None = None) -> WeightSyncRecord:
         """The DDMA plan this rank runs for `model`'s sync: the stored one, or, where the plan holds no
         rounds (a colocated tensor-parallel generator; too many buckets to store), this rank's part of
-        the same planner's, planned once per run and checked against the stored summary."""
+        the same planner's, planned at the first sync of the run and checked against the stored summary."""
         if stored is not None and stored.rounds is not None:
             return stored
-        record = policy_sync_record(self.plan, model, self.rank)
-        if stored is not None and record.summary != stored.summary:
-            raise RunError(f"the weight sync of {model} replanned here differs from the plan's ({record.summary.num_buckets} "
-                           f"buckets, the plan says {stored.summary.num_buckets})",
-                           fix="run the plan with the graphrl version that compiled it, or compile it again")
+        record = self.replanned_syncs.get(model)
+        if record is None:
+            record = policy_sync_record(self.plan, model, self.rank)
+            if stored is not None and record.summary != stored.summary:
+                raise RunError(f"the weight sync of {model} replanned here differs from the plan's "
+                               f"({record.summary.num_buckets} buckets, the plan says {stored.summary.num_buckets})",
+                               fix="run the plan with the graphrl version that compiled it, or compile it again")
+            self.replanned_syncs[model] = record
         return record
 
     def weight_sync(self, ins: WeightSync) -> None:

@@ -213,11 +213,6 @@ class WeightSync:
     kind: ClassVar[str] = "collective"
 
 
-def policy_transfer(model: str) -> str:
-    """The id of `model`'s trainer -> generator weight sync in `Programs.weight_syncs`."""
-    return f"{model}:trainer->generator"
-
-
 @instruction
 class ReshardInPlace:
     """Colocated: fill the generator's weights from the trainer's shards on the same devices (a
