@@ -72,10 +72,13 @@ def stored_plan(dims: ModelDims, src: Mesh, dst: Mesh, bucket_bytes: int) -> Wei
 
 def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
     """Per function, the best over `repeat` runs (after one warm-up) of the slower rank's seconds.
-    The functions take turns, so a noisy neighbour slows both paths alike."""
+    The functions take turns, so a noisy neighbour slows both paths alike, and the order of the
+    turns flips every run: a path that runs right after the other finds the caches and TLB full of
+    the other's buffers, which costs a few tenths of a millisecond here."""
     best = [float("inf")] * len(fns)
     for i in range(repeat + 1):
-        for k, fn in enumerate(fns):
+        for k in range(len(fns)) if i % 2 else reversed(range(len(fns))):
+            fn = fns[k]
             dist.barrier()
             t0 = time.perf_counter()
             fn()

@@ -75,17 +75,17 @@ def execute_weight_sync(
 
     def copy_local() -> None:  # one foreach launch: a fraction of the per-tensor dispatch of a loop
         if program.local:
-            torch._foreach_copy_([dst[name][into] for name, into, _ in program.local],
-                                 [src[name][out_of] for name, _, out_of in program.local])
+            torch._foreach_copy_([_at(dst[name], into) for name, into, _ in program.local],
+                                 [_at(src[name], out_of) for name, _, out_of in program.local])
 
     local_pending = True
     with torch.no_grad():
         for sends, recvs in program.rounds:
             ops, unpacks = [], []
             for peer, pieces, _ in sends:
-                ops.append(dist.P2POp(dist.isend, _pack([src[n][i] for n, i in pieces], wire_dtype, comm_device), peer))
+                ops.append(dist.P2POp(dist.isend, _pack([_at(src[n], i) for n, i in pieces], wire_dtype, comm_device), peer))
             for peer, pieces, numel in recvs:
-                targets = [dst[n][i] for n, i in pieces]
+                targets = [_at(dst[n], i) for n, i in pieces]
                 buf = _direct(targets, wire_dtype, comm_device)
                 if buf is None:
                     buf = torch.empty(numel, dtype=wire_dtype, device=comm_device)
@@ -103,7 +103,7 @@ def execute_weight_sync(
             copy_local()
 
 
-Index = tuple[slice, ...]  # a region as an index into one rank's shard
+Index = tuple[slice, ...] | None  # a region as an index into one rank's shard; None: the whole shard
 Message = tuple[int, tuple[tuple[str, Index], ...], int]  # peer, (shard name, index) pieces, elements
 
 
@@ -211,7 +211,7 @@ def _checked(shards: ShardMap, side: str, rank: int) -> dict[str, tuple[Tensor, 
 
 def _index(shards: dict[str, tuple[Tensor, Region]], name: str, region: list[list[int]], rank: int,
            side: str) -> Index:
-    """`region` (full-tensor coordinates) of `name`, as an index into this rank's shard of it."""
+    """`region` (full-tensor coordinates) of `name`, as an index into this rank's shard of it (None: all of it)."""
     held = shards.get(name)
     if held is None:
         raise RunError(f"rank {rank}: the weight-sync plan needs {side} {name}{_fmt(region)}, but this rank holds "
@@ -221,7 +221,14 @@ def _index(shards: dict[str, tuple[Tensor, Region]], name: str, region: list[lis
         raise RunError(f"rank {rank}: the weight-sync plan needs {side} {name}{_fmt(region)}, outside the "
                        f"shard {_fmt(within)} this rank holds",
                        fix="give each rank the shards of the layout the plan was compiled for")
+    if all(a == wa and b == wb for (a, b), (wa, wb) in zip(region, within)):
+        return None  # the common aligned case: no view to build on every sync
     return tuple(slice(a - wa, b - wa) for (a, b), (wa, _) in zip(region, within))
+
+
+def _at(tensor: Tensor, index: Index) -> Tensor:
+    """The part of a shard an `Index` names."""
+    return tensor if index is None else tensor[index]
 
 
 def _messages(slices: list) -> list[list]:
@@ -261,12 +268,17 @@ def _direct(views: list[Tensor], dtype: torch.dtype, device: torch.device) -> Te
 
 
 def _pack(views: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The views as one flat message buffer (the sources are of the wire dtype). One copy kernel per
+    message: a sync's small pieces run right after megabytes of copying, with cold caches, where each
+    further op dispatch costs tens of microseconds."""
     flat = _direct(views, dtype, device)
     if flat is not None:
         return flat
-    flat = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=device)
-    torch._foreach_copy_(_pieces(flat, views), views)
-    return flat
+    if len(views) == 1:
+        flat = views[0].contiguous().view(-1)
+    else:
+        flat = torch.cat([v.reshape(-1) for v in views])  # reshape: a view for the small contiguous pieces
+    return flat.to(device=device, dtype=dtype)
 
 
 def _unpack(targets: list[Tensor], flat: Tensor) -> None:
@@ -275,4 +287,5 @@ def _unpack(targets: list[Tensor], flat: Tensor) -> None:
 
 def _pieces(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
     """`flat` cut into consecutive views shaped like `like`'s tensors."""
-    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+    return [piece if t.dim() == 1 else piece.view(t.shape)
+            for piece, t in zip(flat.split([t.numel() for t in like]), like)]

@@ -307,3 +307,22 @@ def test_a_shard_layout_change_after_a_sync_is_checked_again() -> None:
     src[name] = (tensor[:1], region)
     with pytest.raises(RunError, match="up_proj.weight has shape"):
         execute_weight_sync(data, 0, src, {}, cpu, cpu, wire_dtype=torch.float32)
+
+
+def test_packed_messages_round_trip_mixed_shapes_strides_and_dtypes() -> None:
+    """A packed message holds its pieces back to back in order, whatever their shape or strides (a
+    column block of a row-major weight is strided), and unpacking casts to each target's dtype."""
+    from graphrl.executors.weightsync import _pack, _unpack
+
+    cpu = torch.device("cpu")
+    weight = torch.arange(48, dtype=torch.bfloat16).view(6, 8)
+    norm = torch.arange(8, dtype=torch.bfloat16) + 100
+    views = [weight[:, 4:], norm[2:6], weight[1:3]]
+    flat = _pack(views, torch.bfloat16, cpu)
+    assert torch.equal(flat, torch.cat([v.reshape(-1) for v in views]))
+    assert torch.equal(_pack([weight[:, :4]], torch.bfloat16, cpu), weight[:, :4].reshape(-1))
+    assert _pack([weight[1:3]], torch.bfloat16, cpu).data_ptr() == weight[1].data_ptr()  # contiguous: no copy
+    targets = [torch.zeros(6, 4), torch.zeros(4), torch.zeros(2, 8)]
+    _unpack(targets, flat)
+    for target, view in zip(targets, views):
+        assert target.dtype == torch.float32 and torch.equal(target, view.float())
