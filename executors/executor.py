@@ -36,6 +36,7 @@ from graphrl.schemas.program import (
     Logprob,
     Offload,
     Onload,
+    Programs,
     Recv,
     ReleaseWeights,
     ReshardInPlace,
@@ -87,6 +88,22 @@ def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tens
     out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
     out["version"] = torch.tensor([max(int(p["version"].item()) for p in parts)])
     return out, cursor
+
+
+def step_lag(programs: Programs, rank: int) -> int:
+    """How many steps behind the newest step it has seen an instruction of `rank`'s stream can be: 0
+    when a rank finishes each step before starting the next, up to the staleness of an asynchronous
+    schedule. The stream is periodic, so a window holding every prologue, two body iterations and every
+    epilogue shows every lag the whole run has."""
+    newest, lag = -1, 0
+    steps = programs.window_steps(2)
+    window = programs if steps == programs.steps else programs.with_steps(steps)
+    for ins in window.rank_stream(rank):
+        step = getattr(ins, "step", None)
+        if step is not None:
+            newest = max(newest, step)
+            lag = max(lag, newest - step)
+    return lag
 
 
 def response_uniforms(seed: int, step: int, start: int, stop: int, length: int) -> Tensor:
@@ -152,6 +169,9 @@ class RankExecutor:
         self.start_step = start_step
         self.values: dict[tuple[int, str, str], Any] = {}
         self.pieces: dict[int, list[Piece]] = {}
+        # Rollouts of a step older than the newest step seen minus this lag are never read again here.
+        self.piece_lag = step_lag(plan.programs, self.rank)
+        self.newest_step = -1
         self.stats: dict[int, StepStats] = {}
         self.step_started: dict[int, float] = {}
         self.last_train_end = time.perf_counter()
@@ -266,6 +286,7 @@ class RankExecutor:
         with self.profiler:
             try:
                 for self.index, ins in enumerate(self.programs.rank_stream(self.rank)):
+                    self._release_old_rollouts(getattr(ins, "step", None))
                     if self.start_step and self._done_before_checkpoint(ins):
                         continue
                     with self.profiler.at(ins):
@@ -277,6 +298,16 @@ class RankExecutor:
                 self.metrics.close()
                 self.samples.close()
         self.write_ledger()
+
+    def _release_old_rollouts(self, step: int | None) -> None:
+        """Drop the rollouts no later instruction of this rank reads. A trainer rank drops a step's after
+        its last Train; this also covers ranks that only generate and send, or only score (a frozen
+        reward or reference model), which would otherwise keep every step's rollouts for the whole run."""
+        if step is None or step <= self.newest_step:
+            return
+        self.newest_step = step
+        for old in [k for k in self.pieces if k < step - self.piece_lag]:
+            del self.pieces[old]
 
     def _done_before_checkpoint(self, ins: Instruction) -> bool:
         """Whether a resumed run skips `ins`: the work of steps before the checkpoint, weight versions
@@ -312,7 +343,8 @@ class RankExecutor:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{self.rank}.json").write_text(json.dumps({
             "rank": self.rank, "roles": sorted(self.roles), "measured_state_bytes": measured,
-            "planned_state_bytes": planned, "ratio": measured / planned if planned else None}))
+            "planned_state_bytes": planned, "ratio": measured / planned if planned else None,
+            "rollout_steps_held": sorted(self.pieces)}))
 
     def fail(self, ins: Instruction, reason: str) -> RunError:
         return RunError(f"rank {self.rank} instruction {self.index} ({describe(ins)}): {reason}")

@@ -220,3 +220,17 @@ def test_memory_ledger_matches_the_plans_accounting(tmp_path):
     generator = json.loads((tmp_path / "ledger" / "rank0.json").read_text())
     assert trainer["ratio"] == pytest.approx(1.0, rel=0.01)
     assert generator["ratio"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_ranks_that_do_not_train_keep_only_the_rollouts_still_to_be_read(tmp_path):
+    """A generator rank sends its rollouts and never trains: it drops a step's once no later instruction
+    of its stream can read them, where it used to keep every step's for the whole run. Two steps
+    off-policy, the trainer rank reads a step's rollouts one step late; the metrics are unchanged."""
+    out = CliRunner().invoke(main, ["run", str(EXAMPLES / "aipo_async_tiny.yaml"), "--steps", "6", "--out", str(tmp_path),
+                                    "-q", "--set", "schedule.max_staleness=2"])
+    assert out.exit_code == 0, out.output
+    generator = json.loads((tmp_path / "ledger" / "rank0.json").read_text())
+    trainer = json.loads((tmp_path / "ledger" / "rank1.json").read_text())
+    assert generator["roles"] == ["policy/generate"] and generator["rollout_steps_held"] == [5]
+    assert trainer["rollout_steps_held"] == []
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(6))

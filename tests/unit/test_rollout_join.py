@@ -3,9 +3,13 @@ a consumer reads."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from graphrl.executors.executor import ROLLOUT_FIELDS, join_rollouts
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _piece(start: int, stop: int, version: int) -> tuple[int, int, dict[str, torch.Tensor]]:
@@ -28,3 +32,17 @@ def test_pieces_out_of_order_join_into_the_requested_range():
 def test_a_gap_reports_how_far_the_pieces_reach():
     out, reach = join_rollouts([_piece(0, 4, 0), _piece(8, 12, 0)], 0, 12)
     assert out is None and reach == 4
+
+
+def test_step_lag_is_zero_for_sync_and_grows_with_staleness():
+    """How far behind its newest step a rank's instruction can be, which bounds the rollouts it keeps."""
+    from graphrl.cli import compile_loaded, load_with_sets
+    from graphrl.executors.executor import step_lag
+
+    def lags(example: str, *sets: str) -> list[int]:
+        plan = compile_loaded(load_with_sets(str(EXAMPLES / example), sets), None)
+        assert plan.programs is not None
+        return [step_lag(plan.programs, r) for r in range(plan.programs.num_ranks)]
+
+    assert lags("grpo_tiny.yaml") == [0, 0]
+    assert lags("aipo_async_tiny.yaml", "schedule.max_staleness=2") == [0, 1]
