@@ -7,7 +7,8 @@ A checkpoint folder `checkpoints/step_<k>/` holds:
   layout), plain tensors for DDP and single-rank trainers (written once, replicas deduplicated);
 - `inflight.rank<r>.pt`: the rollouts of later steps that rank `r` had already received when the
   checkpoint was taken (an asynchronous schedule generates ahead with older weights; keeping those
-  rollouts makes a resumed run exactly the uninterrupted one, without the older weights);
+  rollouts makes a resumed run exactly the uninterrupted one, without the older weights); a resume on
+  another layout reads all ranks' files (`load_inflight`);
 - `<role>.safetensors` and `meta.json` (`outputs.py`): full weights, weight versions, the next step.
 
 Every trainer rank writes into `.step_<k>.partial/`; once all have (a barrier over the trainer group)
@@ -77,13 +78,24 @@ def save_inflight(root: Path, rank: int, pieces: dict[int, list[Piece]]) -> None
     torch.save(host, root / f"inflight.rank{rank}.pt")
 
 
-def load_inflight(root: Path, rank: int, device: torch.device) -> dict[int, list[Piece]]:
-    path = root / f"inflight.rank{rank}.pt"
-    if not path.exists():
-        return {}
-    held = torch.load(path, weights_only=True)
-    return {int(step): [(int(a), int(b), {k: v.to(device) for k, v in data.items()}) for a, b, data in pieces]
-            for step, pieces in held.items()}
+def load_inflight(root: Path, rank: int | None, device: torch.device) -> dict[int, list[Piece]]:
+    """The rollouts rank `rank` saved; with `rank` None, those of every rank that saved some, each
+    range once. A resume on another layout takes the latter: the ranks that consume a step's rollouts
+    are not the ones that held them, and a piece names its responses by their place in the batch
+    (start, stop), which does not depend on the layout, so joining rollouts takes what it needs."""
+    paths = [root / f"inflight.rank{rank}.pt"] if rank is not None else sorted(root.glob("inflight.rank*.pt"))
+    out: dict[int, list[Piece]] = {}
+    seen: set[tuple[int, int, int]] = set()
+    for path in paths:
+        if not path.exists():
+            continue
+        for step, pieces in torch.load(path, weights_only=True).items():
+            for a, b, data in pieces:
+                key = (int(step), int(a), int(b))
+                if key not in seen:
+                    seen.add(key)
+                    out.setdefault(int(step), []).append((int(a), int(b), {k: v.to(device) for k, v in data.items()}))
+    return out
 
 
 __all__ = ["load_inflight", "load_role_state", "save_inflight", "save_role_state"]

@@ -56,7 +56,8 @@ from graphrl.compiler.weight_sync import policy_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
-from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_folders, finish_checkpoint
+from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
+                                      finish_checkpoint)
 from graphrl.executors.parallel import (clip_grad_norm, copy_full_weights, full_state_dict, tensor_parallel_infer,
                                         trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
@@ -268,7 +269,8 @@ class RankExecutor:
                 assert role.optimizer is not None
                 load_role_state(root, name, role.module, role.optimizer, self._role_group(role))
                 role.version = int(info["version"])
-        self.pieces.update(load_inflight(root, self.rank, self.rt.device))
+        same_layout = saved.get("layout") == checkpoint_layout(self.plan)
+        self.pieces.update(load_inflight(root, self.rank if same_layout else None, self.rt.device))
         self.restored_steps = frozenset(saved["inflight_steps"])
 
     def _tensor_parallel_group(self, p: RolePlacement) -> TensorParallelGroup:
@@ -667,7 +669,8 @@ class RankExecutor:
         save_inflight(partial, self.rank, inflight)
         self._barrier(group)
         if self.is_reporter:
-            folder = finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight))
+            folder = finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight),
+                                       checkpoint_layout(self.plan))
             self._export_trained(folder, roles, weights)
         self._barrier(group)
 

@@ -89,11 +89,13 @@ def checkpoint_folders(out_dir: Path, step: int) -> tuple[Path, Path]:
 
 
 def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, Any],
-                      weights: dict[str, dict[str, Any]], seed: int, inflight_steps: list[int]) -> Path:
-    """Add the full weights and `meta.json` to a partial checkpoint and move it into place atomically."""
+                      weights: dict[str, dict[str, Any]], seed: int, inflight_steps: list[int],
+                      layout: dict[str, Any] | None = None) -> Path:
+    """Add the full weights and `meta.json` to a partial checkpoint and move it into place atomically.
+    `layout` (`checkpoint_layout`) is what a resume compares against its own plan."""
     try:
         meta: dict[str, Any] = {"step": step, "next_step": step + 1, "seed": seed, "roles": {},
-                                "inflight_steps": inflight_steps}
+                                "inflight_steps": inflight_steps, "layout": layout}
         for name, role in roles.items():
             safe = name.replace("/", "__")
             tensors = {k: v.detach().cpu().contiguous() for k, v in weights[name].items()}
@@ -108,6 +110,13 @@ def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, An
         raise
     (final.parent / "latest").write_text(final.name)
     return final
+
+
+def checkpoint_layout(plan: Any) -> dict[str, Any]:
+    """The layout a checkpoint was written from: the chosen placement's label and the number of ranks.
+    A resume on another layout is allowed (DCP reshards the trained state, and every rank reads all
+    ranks' in-flight rollouts); the comparison only decides which."""
+    return {"label": plan.chosen.label, "ranks": plan.cluster.num_devices}
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -130,4 +139,4 @@ def load_checkpoint(path: Path, *, weights: bool = True) -> dict[str, Any]:
         roles[name] = {"version": info["version"],
                        "weights": load_file(str(path / info["file"])) if weights else None}
     return {"path": path, "step": meta["step"], "next_step": meta["next_step"], "roles": roles,
-            "inflight_steps": meta.get("inflight_steps", [])}
+            "inflight_steps": meta.get("inflight_steps", []), "layout": meta.get("layout")}

@@ -412,7 +412,7 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         quiet: bool, sets: tuple[str, ...]) -> None:
     """Compile JOB and run it: one process per rank on this machine."""
     from graphrl.executors.launcher import launch_local
-    from graphrl.executors.outputs import latest_checkpoint
+    from graphrl.executors.outputs import checkpoint_layout, latest_checkpoint
 
     loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
     plan = compile_loaded(loaded, cluster)
@@ -426,6 +426,10 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         meta = json.loads((ckpt / "meta.json").read_text())
         start_step, resume_from = int(meta["next_step"]), ckpt
         click.echo(f"resuming from {ckpt} at step {start_step}", err=True)
+        old, new = meta.get("layout"), checkpoint_layout(plan)
+        if old is not None and old != new:
+            click.echo(f"  on another layout: {old['label']} on {old['ranks']} ranks -> {new['label']} on "
+                       f"{new['ranks']} ranks (the trained state is resharded as it loads)", err=True)
     else:
         for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh records
             (out_dir / name).unlink(missing_ok=True)

@@ -7,6 +7,11 @@ The interrupted run is the uninterrupted one's folder cut back to its first chec
 and the metrics written before it, which is exactly what a run killed after writing it leaves (the
 killed-rank test in test_run.py checks that such a checkpoint is intact).
 
+A run can also resume on another layout (more ranks, another tp or fsdp size): DCP reshards the
+trained state, and every rank reads all ranks' in-flight rollouts, since the ranks that consume them
+changed. Those cases compare with the layout-equivalence tolerance (test_every_layout_runs.py):
+after the resume only the order of float32 sums differs.
+
 Exact equality holds where nothing is summed in a different order after a resume. One case cannot
 promise that: DDP over 3 ranks rebuilds its gradient buckets after the first backward of a process,
 and gloo's ring all-reduce adds an element's three partial sums in an order that depends on where the
@@ -40,6 +45,17 @@ CASES = {
     # critic and policy trained by DDP over ranks 1-3, reference and reward model frozen
     "ppo_ddp3": ("ppo_tiny.yaml", ["cluster=local-cpu-4", "placement.strategy=disaggregated"], 1e-6),
 }
+FSDP4 = ["cluster=local-cpu-4", "placement.strategy=colocated", "placement.roles.policy.fsdp=4",
+         "placement.roles.policy.sharding=fsdp"]
+# (example, layout written from, layout resumed on, relative tolerance)
+RELAYOUT = {
+    "fsdp4_to_fsdp2_x_tp2": ("grpo_tiny.yaml", FSDP4, FSDP4[:2] + ["placement.roles.policy.fsdp=2",
+                                                                   "placement.roles.policy.tp=2",
+                                                                   "placement.roles.policy.sharding=fsdp"], 1e-5),
+    # async: the trainer rank's rollouts generated ahead go to a 2-rank trainer beside a tp=2 generator
+    "async_2_to_4_ranks": ("aipo_async_tiny.yaml", [], ["cluster=local-cpu-4", "placement.roles.policy.devices=2-3",
+                                                        "placement.roles.policy/generate.devices=0-1"], 1e-5),
+}
 
 
 def run(example: str, out: Path, sets: list[str], *extra: str) -> str:
@@ -56,21 +72,32 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_resumed_run_gives_the_uninterrupted_metrics(case: str, tmp_path: Path) -> None:
-    example, sets, rel = CASES[case]
-    full, part = tmp_path / "full", tmp_path / "part"
-    run(example, full, sets)
+def interrupted(full: Path, part: Path) -> dict:
+    """`part` as a run killed after its first checkpoint leaves it; the checkpoint's metadata."""
     first = full / "checkpoints" / f"step_{EVERY - 1:06d}"
-    meta = json.loads((first / "meta.json").read_text())
-    if case.startswith("async"):
-        assert meta["inflight_steps"], "an async checkpoint holds rollouts generated ahead"
     (part / "checkpoints").mkdir(parents=True)
     shutil.copytree(first, part / "checkpoints" / first.name)
     (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(full)[:EVERY]))
+    return json.loads((first / "meta.json").read_text())
 
-    output = run(example, part, sets, "--resume")
+
+@pytest.mark.parametrize("case", list(CASES) + [f"relayout_{k}" for k in RELAYOUT])
+def test_resumed_run_gives_the_uninterrupted_metrics(case: str, tmp_path: Path) -> None:
+    if case.startswith("relayout_"):
+        example, sets, resume_sets, rel = RELAYOUT[case.removeprefix("relayout_")]
+    else:
+        example, sets, rel = CASES[case]
+        resume_sets = sets
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(example, full, sets)
+    meta = interrupted(full, part)
+    if "async" in case:
+        assert meta["inflight_steps"], "an async checkpoint holds rollouts generated ahead"
+
+    output = run(example, part, resume_sets, "--resume")
     assert f"at step {EVERY}" in output
+    if resume_sets != sets:
+        assert f"on another layout: {meta['layout']['label']}" in output
     want, got = rows(full), rows(part)
     assert [r["step"] for r in got] == list(range(STEPS))
     assert [r["weight_version"] for r in got] == [r["weight_version"] for r in want]

@@ -34,6 +34,22 @@ def test_a_gap_reports_how_far_the_pieces_reach():
     assert out is None and reach == 4
 
 
+def test_a_resume_on_another_layout_reads_every_ranks_rollouts_once(tmp_path):
+    """Each rank saves the rollouts it holds; on another layout every rank reads them all, each range of
+    a step once (replicas that both received [0:4) of step 3 give one piece), and joins what it needs."""
+    from graphrl.executors.checkpointing import load_inflight, save_inflight
+
+    save_inflight(tmp_path, 0, {3: [_piece(0, 4, 2)], 4: [_piece(0, 4, 3)]})
+    save_inflight(tmp_path, 1, {3: [_piece(4, 8, 2)]})
+    save_inflight(tmp_path, 2, {3: [_piece(0, 4, 2)]})
+    cpu = torch.device("cpu")
+    assert [(a, b) for a, b, _ in load_inflight(tmp_path, 1, cpu)[3]] == [(4, 8)]
+    merged = load_inflight(tmp_path, None, cpu)
+    assert sorted((a, b) for a, b, _ in merged[3]) == [(0, 4), (4, 8)] and len(merged[4]) == 1
+    out, reach = join_rollouts(merged[3], 2, 8)
+    assert out is not None and reach == 8 and out["response_ids"][:, 0].tolist() == list(range(2, 8))
+
+
 def test_step_lag_is_zero_for_sync_and_grows_with_staleness():
     """How far behind its newest step a rank's instruction can be, which bounds the rollouts it keeps."""
     from graphrl.cli import compile_loaded, load_with_sets
