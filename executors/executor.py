@@ -170,8 +170,8 @@ class RankExecutor:
         self.start_step = start_step
         self.values: dict[tuple[int, str, str], Any] = {}
         self.pieces: dict[int, list[Piece]] = {}
-        # Rollouts of a step older than the newest step seen minus this lag are never read again here.
-        self.piece_lag = step_lag(plan.programs, self.rank)
+        # A step's rollouts and values older than the newest step seen minus this lag are never read again here.
+        self.data_lag = step_lag(plan.programs, self.rank)
         self.newest_step = -1
         self.stats: dict[int, StepStats] = {}
         self.step_started: dict[int, float] = {}
@@ -288,7 +288,7 @@ class RankExecutor:
         with self.profiler:
             try:
                 for self.index, ins in enumerate(self.programs.rank_stream(self.rank)):
-                    self._release_old_rollouts(getattr(ins, "step", None))
+                    self._release_old_steps(getattr(ins, "step", None))
                     if self.start_step and self._done_before_checkpoint(ins):
                         continue
                     with self.profiler.at(ins):
@@ -301,15 +301,19 @@ class RankExecutor:
                 self.samples.close()
         self.write_ledger()
 
-    def _release_old_rollouts(self, step: int | None) -> None:
-        """Drop the rollouts no later instruction of this rank reads. A trainer rank drops a step's after
-        its last Train; this also covers ranks that only generate and send, or only score (a frozen
-        reward or reference model), which would otherwise keep every step's rollouts for the whole run."""
+    def _release_old_steps(self, step: int | None) -> None:
+        """Drop the rollouts and values (both kept per step, read only by instructions of their step) that
+        no later instruction of this rank reads. A trainer rank drops a step's after its last Train; this
+        also covers ranks that only generate and send, or only score (a frozen reward or reference
+        model), which would otherwise keep every step's data for the whole run."""
         if step is None or step <= self.newest_step:
             return
         self.newest_step = step
-        for old in [k for k in self.pieces if k < step - self.piece_lag]:
+        oldest_needed = step - self.data_lag
+        for old in [k for k in self.pieces if k < oldest_needed]:
             del self.pieces[old]
+        for key in [k for k in self.values if k[0] < oldest_needed]:
+            del self.values[key]
 
     def _done_before_checkpoint(self, ins: Instruction) -> bool:
         """Whether a resumed run skips `ins`: the work of steps before the checkpoint, weight versions
