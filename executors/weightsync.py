@@ -10,9 +10,11 @@ A bucket goes as a few messages, cut the same way on both sides from the plan al
 slice travels alone, straight from and into the shards where they are contiguous and of the wire
 dtype (no staging copy, no staging memory); runs of small slices share one packed buffer. All of a
 rank's messages of a round go out in one `batch_isend_irecv`; in a round no rank sends or receives
-more than one bucket. Where trainer and generator share a rank, the part of the weights that stays on
-it is copied shard to shard while the first round's messages are in flight (the plan gives the two
-disjoint regions of the destination).
+more than one bucket. Two rounds are in flight at a time: the next round is packed and posted while
+the current one's bytes move, so a rank stages at most two rounds' packed buffers. Every rank posts
+its rounds in plan order, so the messages between two ranks match in order. Where trainer and
+generator share a rank, the part of the weights that stays on it is copied shard to shard while the
+first round's messages are in flight (the plan gives the two disjoint regions of the destination).
 
 Each rank reads the plan once per shard layout into its messages and local copies as index tuples
 (`RankSync`), so a sync of every step spends its host time slicing and posting, not re-reading the
@@ -78,30 +80,31 @@ def execute_weight_sync(
             torch._foreach_copy_([_at(dst[name], into) for name, into, _ in program.local],
                                  [_at(src[name], out_of) for name, _, out_of in program.local])
 
-    local_pending = True
+    def post(k: int) -> tuple[list, list]:  # round k's transfers in flight, and what to unpack after
+        sends, recvs = program.rounds[k]
+        ops = [dist.P2POp(dist.isend, _pack([_at(src[n], i) for n, i in pieces], wire_dtype, comm_device), peer)
+               for peer, pieces, _ in sends]
+        unpacks = []
+        for peer, pieces, numel in recvs:
+            targets = [_at(dst[n], i) for n, i in pieces]
+            buf = _direct(targets, wire_dtype, comm_device)
+            if buf is None:
+                buf = torch.empty(numel, dtype=wire_dtype, device=comm_device)
+                unpacks.append((targets, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+        return (dist.batch_isend_irecv(ops) if ops else []), unpacks
+
     with torch.no_grad():
-        for sends, recvs in program.rounds:
-            ops, unpacks = [], []
-            for peer, pieces, _ in sends:
-                ops.append(dist.P2POp(dist.isend, _pack([_at(src[n], i) for n, i in pieces], wire_dtype, comm_device), peer))
-            for peer, pieces, numel in recvs:
-                targets = [_at(dst[n], i) for n, i in pieces]
-                buf = _direct(targets, wire_dtype, comm_device)
-                if buf is None:
-                    buf = torch.empty(numel, dtype=wire_dtype, device=comm_device)
-                    unpacks.append((targets, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, peer))
-            works = dist.batch_isend_irecv(ops) if ops else []
-            if local_pending:  # the rank-local copies overlap the first round's transfers
-                copy_local()
-                local_pending = False
+        pending = [post(0)] if program.rounds else []
+        copy_local()  # the rank-local copies overlap the first round's transfers
+        for k in range(len(program.rounds)):
+            if k + 1 < len(program.rounds):  # two rounds in flight: packing and posting overlap transfers
+                pending.append(post(k + 1))
+            works, unpacks = pending.pop(0)
             for work in works:
                 work.wait()
             for targets, buf in unpacks:
                 _unpack(targets, buf.to(device))
-        if local_pending:
-            copy_local()
-
 
 Index = tuple[slice, ...] | None  # a region as an index into one rank's shard; None: the whole shard
 Message = tuple[int, tuple[tuple[str, Index], ...], int]  # peer, (shard name, index) pieces, elements
