@@ -6,7 +6,9 @@ does (`compiler/weight_sync.py:ddma_record`, through JSON), and times only `exec
 the batched sends and receives, unpacking). Beside it, in the same run, the same bytes per
 direction go as ONE flat tensor per (sender, receiver) pair with `dist.send` / `dist.recv` (or one
 batched isend/irecv when both ranks send). GB/s = bytes crossing between the ranks / the slower
-rank's time, best of --repeat after a warm-up, the two paths taking turns. The destination is
+rank's time, best of --repeat after a warm-up, the two paths taking turns; the median of the same
+runs is printed beside it (with more processes than cores, as in the 3-rank case, the best run is the
+one the scheduler happened to favour, and the median shows the typical sync). The destination is
 checked bit for bit once. Where trainer and generator share ranks, part of the weights stays on its
 rank (column `local MB`): the DDMA path copies it from trainer shard to generator shard, and the raw
 baseline copies the same bytes as one flat contiguous tensor per rank, so both deliver every byte.
@@ -16,7 +18,7 @@ holds o/down as the column blocks the generator's ranks hold, `fsdp_shard_dim`; 
 with the trainer's 2 ranks in the other order every block crosses; a 1-rank trainer beside a tp=2
 generator (3 ranks) sends each generator rank its shard, gathering o/down's column blocks first.
 
-    python benchmarks/bench_weight_sync.py [--layers 2] [--repeat 15] [--json]
+    python benchmarks/bench_weight_sync.py [--layers 2] [--repeat 40] [--json]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -70,12 +73,12 @@ def stored_plan(dims: ModelDims, src: Mesh, dst: Mesh, bucket_bytes: int) -> Wei
     return WeightSyncRecord.model_validate_json(data.model_dump_json())
 
 
-def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
-    """Per function, the best over `repeat` runs (after one warm-up) of the slower rank's seconds.
+def timed(fns: list[Callable[[], None]], repeat: int) -> list[tuple[float, float]]:
+    """Per function, (best, median) over `repeat` runs (after one warm-up) of the slower rank's seconds.
     The functions take turns, so a noisy neighbour slows both paths alike, and the order of the
     turns flips every run: a path that runs right after the other finds the caches and TLB full of
     the other's buffers, which costs a few tenths of a millisecond here."""
-    best = [float("inf")] * len(fns)
+    runs: list[list[float]] = [[] for _ in fns]
     for i in range(repeat + 1):
         for k in range(len(fns)) if i % 2 else reversed(range(len(fns))):
             fn = fns[k]
@@ -85,8 +88,8 @@ def timed(fns: list[Callable[[], None]], repeat: int) -> list[float]:
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i:
-                best[k] = min(best[k], elapsed.item())
-    return best
+                runs[k].append(elapsed.item())
+    return [(min(r), statistics.median(r)) for r in runs]
 
 
 def bench_case(rank: int, dims: ModelDims, data: WeightSyncRecord, dtype: torch.dtype, repeat: int) -> dict[str, Any]:
@@ -136,12 +139,13 @@ def bench_case(rank: int, dims: ModelDims, data: WeightSyncRecord, dtype: torch.
     def ddma() -> None:
         execute_weight_sync(data, rank, src, dst, CPU, CPU, wire_dtype=dtype)
 
-    ddma_s, raw_s = timed([ddma, raw], repeat)
+    (ddma_s, ddma_median_s), (raw_s, raw_median_s) = timed([ddma, raw], repeat)
     ok = all(torch.equal(t, full[name][to_slices(region)]) for name, (t, region) in dst.items())
     ok_all = torch.tensor([int(ok)])
     dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
     link_bytes = sum(per_pair.values()) * torch.empty(0, dtype=dtype).element_size()
-    return {"link_bytes": link_bytes, "delivered_bytes": link_bytes + data.summary.local_bytes, "ddma_s": ddma_s, "raw_s": raw_s, "rounds": len(data.rounds),
+    return {"link_bytes": link_bytes, "delivered_bytes": link_bytes + data.summary.local_bytes, "ddma_s": ddma_s, "raw_s": raw_s,
+            "ddma_median_s": ddma_median_s, "raw_median_s": raw_median_s, "rounds": len(data.rounds),
             "buckets": data.summary.num_buckets, "local_bytes": data.summary.local_bytes,
             "exact": bool(ok_all.item())}
 
@@ -186,7 +190,7 @@ def run_world(world: int, plans: list[tuple[str, WeightSyncRecord]], args: argpa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the benchmark model")
-    parser.add_argument("--repeat", type=int, default=15, help="timed runs per path; the best is kept")
+    parser.add_argument("--repeat", type=int, default=40, help="timed runs per path; the best and the median are kept")
     parser.add_argument("--json", action="store_true", help="print one JSON object per case")
     args = parser.parse_args()
     dims = model_dims(args.layers)
@@ -200,15 +204,15 @@ def main() -> None:
             print(json.dumps(row))
         return
     print(f"model {model_bytes / 1e6:.0f} MB in bf16 ({args.layers} layers), gloo on loopback, "
-          f"best of {args.repeat}")
+          f"best (and median) of {args.repeat}")
     print(f"{'case':38} {'link MB':>8} {'local MB':>8} {'rounds':>6} {'ddma ms':>8} {'ddma GB/s':>9} {'raw ms':>7} "
-          f"{'raw GB/s':>8} {'ddma/raw':>8} {'exact':>5}")
+          f"{'raw GB/s':>8} {'ddma/raw':>8} {'median':>6} {'exact':>5}")
     print("(GB/s: bytes delivered into the generator's shards, over the link and rank-local, per second)")
     for r in rows:
         gb = r["delivered_bytes"] / 1e9
         print(f"{r['case']:38} {r['link_bytes'] / 1e6:>8.1f} {r['local_bytes'] / 1e6:>8.1f} {r['rounds']:>6} "
               f"{r['ddma_s'] * 1e3:>8.1f} {gb / r['ddma_s']:>9.2f} {r['raw_s'] * 1e3:>7.1f} {gb / r['raw_s']:>8.2f} "
-              f"{r['raw_s'] / r['ddma_s']:>8.2f} {str(r['exact']):>5}")
+              f"{r['raw_s'] / r['ddma_s']:>8.2f} {r['raw_median_s'] / r['ddma_median_s']:>6.2f} {str(r['exact']):>5}")
 
 
 if __name__ == "__main__":
