@@ -13,8 +13,8 @@ import argparse
 import json
 import time
 
-from graphrl.compiler.ddma import plan_summary, plan_weight_sync
-from graphrl.compiler.layout import Mesh, MeshAxis, llama_param_layout, llama_params
+from graphrl.ddma import plan_summary, plan_weight_sync
+from graphrl.schemas.sharding import Mesh, MeshAxis, llama_param_layout, llama_params
 from graphrl.schemas.model import MODEL_PRESETS
 
 DP, FSDP, TP, PP = MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP, MeshAxis.PP

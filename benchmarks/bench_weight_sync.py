@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphrl.compiler import weight_sync
-from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
+from graphrl.schemas.sharding import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.executors.weightsync import execute_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
 from graphrl.schemas.weightsync import WeightSyncRecord

@@ -25,6 +25,7 @@ from typing import Literal, Sequence
 from graphrl.errors import GraphRLError
 from graphrl.schemas.hardware import CollectiveFit, HardwareSpec
 from graphrl.schemas.model import ModelDims
+from graphrl.schemas.sharding import LLAMA_LAYER, llama_layer_param_count, llama_param_count
 
 Precision = Literal["bf16", "fp8"]
 Sharding = Literal["none", "zero1", "zero2", "fsdp"]
@@ -56,35 +57,26 @@ def embedding_params(dims: ModelDims) -> int:
 
 
 def layer_linear_params(dims: ModelDims) -> int:
-    """Matmul weights of one transformer block (no biases in Llama).
-
-    q: H*(heads*hd), k and v: H*(kv_heads*hd) each, o: (heads*hd)*H, SwiGLU gate/up/down: 3*H*I.
-    """
-    h = dims.hidden_size
-    q_width = dims.num_heads * dims.head_dim
-    kv_width = dims.num_kv_heads * dims.head_dim
-    return 2 * h * q_width + 2 * h * kv_width + 3 * h * dims.intermediate_size
+    """Matmul weights of one transformer block (no biases in Llama): q, k, v, o, gate, up, down."""
+    return llama_layer_param_count(dims, matmuls_only=True)
 
 
 def layer_params(dims: ModelDims) -> int:
     """All weights of one transformer block: its matmuls plus two RMSNorm weights (2*H)."""
-    return layer_linear_params(dims) + 2 * dims.hidden_size
+    return llama_layer_param_count(dims)
 
 
 def param_count(dims: ModelDims) -> int:
-    """Parameters of a Hugging Face `LlamaForCausalLM` with these dims, exactly.
-
-    embed V*H + layers * (attention + SwiGLU + 2 norms) + final norm H + lm_head V*H (unless the head
-    is tied to the embedding). llama3-8b: 8,030,261,248; 70b: 70,553,706,496; 405b: 405,853,388,800.
-    """
-    head = 0 if dims.tie_embeddings else embedding_params(dims)
-    return embedding_params(dims) + dims.num_layers * layer_params(dims) + dims.hidden_size + head
+    """Parameters of a Hugging Face `LlamaForCausalLM` with these dims, exactly, from the model's
+    parameter inventory (`schemas/sharding.py`). llama3-8b: 8,030,261,248; 70b: 70,553,706,496; 405b:
+    405,853,388,800."""
+    return llama_param_count(dims)
 
 
 def param_tensor_count(dims: ModelDims) -> int:
-    """Weight tensors of the model: 9 per block (q, k, v, o, gate, up, down, two norms), the embedding,
-    the final norm, and the output head unless it is tied."""
-    return 9 * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
+    """Weight tensors of the model: one per module of the inventory (9 per block, the embedding, the final
+    norm, and the output head unless it is tied)."""
+    return len(LLAMA_LAYER) * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
 
 
 def fsdp_units(dims: ModelDims, pp: int = 1) -> int:

@@ -8,26 +8,9 @@ One enumeration serves the search (`compiler/placement.py`) and the up-front pin
 from __future__ import annotations
 
 from graphrl.schemas.job import RoleHint, parse_device_range
-from graphrl.schemas.model import ModelDims
+from graphrl.schemas.sharding import tp_split_problem
 
 from graphrl.compiler.roles import Role
-
-
-def tp_split_problem(dims: ModelDims, tp: int, kind: str = "generate") -> str | None:
-    """Why `tp` tensor-parallel shards cannot split this model evenly for a role of `kind`, or None when
-    they can: the query heads and the feed-forward width divide by tp; the KV heads divide by tp, or,
-    for generation only (fewer KV heads than shards), tp divides by them and each KV head is replicated
-    on tp / num_kv_heads shards. A trainer's shards are DTensors of one layout, which never replicate."""
-    if dims.num_heads % tp:
-        return f"tp {tp} does not divide the {dims.num_heads} attention heads"
-    if kind == "train" and dims.num_kv_heads % tp:
-        return f"tp {tp} does not divide the {dims.num_kv_heads} KV heads (a trainer does not replicate KV heads)"
-    if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
-        return (f"tp {tp} neither divides the {dims.num_kv_heads} KV heads nor is a multiple of them "
-                "(to replicate each KV head)")
-    if dims.intermediate_size % tp:
-        return f"tp {tp} does not divide the feed-forward width {dims.intermediate_size}"
-    return None
 
 
 def pow2_upto(n: int) -> list[int]:

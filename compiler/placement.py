@@ -45,7 +45,7 @@ from graphrl.schemas.plan import (
 from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
-from graphrl.compiler.layout import llama_params, region_size, shard_bounds
+from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 

@@ -1,6 +1,6 @@
 """The weight-sync stage: how each new version of the policy's weights reaches the generator.
 
-Disaggregated layouts get one DDMA plan (graphrl.compiler.ddma) per trained model that generates:
+Disaggregated layouts get one DDMA plan (graphrl.ddma) per trained model that generates:
 the trainer's shards intersected with the generator's shards per parameter, bucketed, in
 contention-free rounds, stored in the plan as a `WeightSyncRecord` and run by a `WeightSync` group
 instruction. Colocated layouts reshard in place (`ReshardInPlace`): the same devices hold both roles.
@@ -28,8 +28,8 @@ from graphrl.schemas.plan import Layout, Plan
 from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
 
 from graphrl.compiler import cost
-from graphrl.compiler.ddma import plan_summary, plan_weight_sync
-from graphrl.compiler.layout import llama_layout_on, llama_params
+from graphrl.ddma import plan_summary, plan_weight_sync
+from graphrl.schemas.sharding import llama_layout_on, llama_params
 from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.roles import JobShape
 

@@ -30,8 +30,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.compiler.layout import fsdp_shard_dim
+from graphrl.schemas.sharding import LLAMA_EMBEDDING, ModuleSpec, TpStyle, fsdp_shard_dim, llama_modules, tp_split_problem
 from graphrl.executors.models.llama import LlamaCritic, token_logprobs_and_entropy, token_values
+
+
+def _parallel_style(spec: ModuleSpec) -> Any:
+    """The `parallelize_module` style of one module, from its style in the model's sharding description.
+    The vocabulary-parallel modules differ by position: the embedding looks rows up and returns whole
+    activations, the head multiplies and returns whole logits."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if spec is LLAMA_EMBEDDING:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if spec.tp is TpStyle.VOCAB:
+        return ColwiseParallel(output_layouts=Replicate())
+    return ColwiseParallel() if spec.tp is TpStyle.COLWISE else RowwiseParallel()
 
 
 class PolicyForward(nn.Module):
@@ -135,12 +149,11 @@ def trainer_mesh_groups(ranks: tuple[int, ...], tp: int, rank: int, timeout_s: f
 
 
 def parallelize_llama(model: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Shard a Llama or critic in place over a 1-D tensor-parallel mesh, as `llama_param_layout` lays it
-    out (q/k/v/gate/up colwise, o/down rowwise, the embedding and an untied head by vocabulary rows;
-    norms and a critic's value head replicated), and return the adapter whose forward gives the role's
+    """Shard a Llama or critic in place over a 1-D tensor-parallel mesh, as the model's sharding description
+    (`schemas/sharding.py`) says: q/k/v/gate/up colwise, o/down rowwise, the embedding and an untied head
+    by vocabulary rows; norms and a critic's value head replicated. Return the adapter whose forward gives the role's
     per-token outputs as plain tensors replicated over tp."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     from graphrl.errors import RunError
 
@@ -148,20 +161,14 @@ def parallelize_llama(model: nn.Module, tp_mesh: Any) -> nn.Module:
     # gradient norm); they are expected here, one line per rank and tensor.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     tp, dims = tp_mesh.size(), model.dims
-    if dims.num_heads % tp or dims.num_kv_heads % tp:
-        raise RunError(f"tp={tp} must divide the {dims.num_heads} heads and the {dims.num_kv_heads} KV heads of a "
-                       "trained or frozen model", fix="pin a smaller tp for the trainer")
-    plan: dict[str, Any] = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-    for i, layer in enumerate(model.model.layers):
+    if (why := tp_split_problem(dims, tp, "train")) is not None:
+        raise RunError(f"a trained or frozen model cannot be split {tp} ways: {why}", fix="pin a smaller tp for the trainer")
+    for layer in model.model.layers:
         layer.self_attn.num_heads //= tp  # the reshapes see this rank's heads only
         layer.self_attn.num_kv_heads //= tp
-        pre = f"model.layers.{i}."
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[pre + name] = ColwiseParallel()
-        plan[pre + "self_attn.o_proj"] = RowwiseParallel()
-        plan[pre + "mlp.down_proj"] = RowwiseParallel()
-    if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    head = "value" if isinstance(model, LlamaCritic) else "lm"
+    plan = {name: _parallel_style(spec) for name, spec, _ in llama_modules(dims, head)
+            if spec.tp is not TpStyle.REPLICATE}
     parallelize_module(model, tp_mesh, plan)
     return CriticForward(model) if isinstance(model, LlamaCritic) else TensorParallelPolicyForward(model)
 

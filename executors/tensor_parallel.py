@@ -2,8 +2,8 @@
 
 A generator role with `tp = t` runs on a group of t ranks; each holds the shards below, runs the same
 KV-cache generation loop as the unsharded model (`models/llama.py:generate`) and samples the same
-tokens. The shards are exactly the regions `compiler/layout.py:llama_param_layout` gives the
-generator mesh (dp x tp), cut as DTensor's `Shard` cuts (`layout.chunk_bounds`), so a DDMA weight sync writes
+tokens. The shards are exactly the regions the model's sharding description (`schemas/sharding.py`) gives the
+generator mesh (dp x tp), cut as DTensor's `Shard` cuts (`chunk_bounds`), so a DDMA weight sync writes
 straight into them:
 
 - q/k/v/gate/up_proj: output rows split (column parallel): heads and SwiGLU features split;
@@ -34,39 +34,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.compiler.layout import chunk_bounds
+from graphrl.schemas.sharding import Region, chunk_bounds, llama_params, tp_region
 from graphrl.errors import RunError
 from graphrl.schemas.model import ModelDims
 
 from graphrl.executors.models.llama import KVCache, Llama
 
-Region = tuple[tuple[int, int], ...]  # (start, stop) per dim, in full-tensor coordinates
-
-# Which dim of a Llama weight the tp axis splits (`llama_param_layout`); absent: replicated.
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW_PARALLEL = ("o_proj", "down_proj")
-_VOCAB_PARALLEL = ("embed_tokens", "lm_head")
-_KV = ("k_proj", "v_proj")
-
-
-def tp_split_dim(name: str) -> int | None:
-    """The tensor dim the tp axis splits for a HF-named Llama parameter; None when it is replicated."""
-    parts = name.split(".")
-    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
-    if module in _COLUMN_PARALLEL or module in _VOCAB_PARALLEL:
-        return 0
-    if module in _ROW_PARALLEL and kind == "weight":
-        return 1
-    return None
-
-
-def tp_region(name: str, shape: tuple[int, ...], tp_rank: int, tp_size: int) -> Region:
-    """The region of the full tensor `name` that rank `tp_rank` of a tp group holds under the plan's layout."""
-    region = [(0, n) for n in shape]
-    dim = tp_split_dim(name)
-    if dim is not None:
-        region[dim] = chunk_bounds(shape[dim], tp_size, tp_rank)
-    return tuple(region)
+_KV = ("k_proj", "v_proj")  # replicated over tp ranks when there are fewer KV heads than ranks
 
 
 @dataclass(frozen=True)
@@ -182,22 +156,8 @@ class TensorParallelLlama(Llama):
 
     # -- the plan's regions ------------------------------------------------------------------------
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Full-model shape of every parameter, by name."""
-        d = self.dims
-        rows = {"q_proj": d.num_heads * d.head_dim, "k_proj": d.num_kv_heads * d.head_dim,
-                "v_proj": d.num_kv_heads * d.head_dim, "gate_proj": d.intermediate_size,
-                "up_proj": d.intermediate_size, "embed_tokens": d.vocab_size, "lm_head": d.vocab_size}
-        cols = {"o_proj": d.num_heads * d.head_dim, "down_proj": d.intermediate_size}
-        out = {}
-        for name, p in self.named_parameters():
-            module = name.split(".")[-2]
-            shape = list(p.shape)
-            if module in rows:
-                shape[0] = rows[module]
-            elif module in cols:
-                shape[1] = cols[module]
-            out[name] = tuple(shape)
-        return out
+        """Full-model shape of every parameter, by name (the model's parameter inventory)."""
+        return {p.name: p.shape for p in llama_params(self.dims)}
 
     def _kv_head_rows(self, full_rows: int) -> tuple[int, int]:
         """Rows [a, b) of a full k/v weight that this rank's replicated head covers."""
@@ -278,5 +238,4 @@ class TensorParallelLlama(Llama):
         return self.tp.all_gather_last(super().logits(hidden_bth), self.vocab_sizes)
 
 
-__all__ = ["RowParallelLinear", "TensorParallelGroup", "TensorParallelLlama", "VocabParallelEmbedding",
-           "tp_region", "tp_split_dim"]
+__all__ = ["RowParallelLinear", "TensorParallelGroup", "TensorParallelLlama", "VocabParallelEmbedding"]

@@ -36,10 +36,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from graphrl.errors import RunError
+from graphrl.schemas.sharding import Region
 from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.executors.tensor_parallel import TensorParallelLlama
 
-Region = tuple[tuple[int, int], ...]  # (start, stop) per dim, in full-tensor coordinates
 ShardMap = Mapping[str, tuple[Tensor, Region]]  # param name -> (local tensor, region of the full tensor it holds)
 
 # A slice of at least this many elements is a message of its own (direct when its shard allows);

@@ -1,6 +1,6 @@
 """A DDMA weight sync as the plan stores it: the two meshes, the byte widths, and the transfer rounds.
 
-The planner (`graphrl.compiler.ddma`) computes a sync; this record is what a plan file keeps of it and
+The planner (`graphrl.ddma`) computes a sync; this record is what a plan file keeps of it and
 what the executors run (`graphrl.executors.weightsync`). Buckets and slices are named tuples: typed and
 checked like every other field, yet written positionally (`[src, dst, bytes, [[param, region], ...]]`),
 since an 8B plan holds thousands of them.
@@ -14,9 +14,7 @@ from pydantic import Field
 
 from graphrl.schemas.base import Frozen
 from graphrl.schemas.mesh import Mesh
-
-Region = tuple[tuple[int, int], ...]
-"""Per dimension (start, stop) of a slice, in full-tensor coordinates."""
+from graphrl.schemas.sharding import Region
 
 
 class Slice(NamedTuple):

@@ -22,7 +22,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +30,12 @@ from torch import Tensor, nn
 
 from graphrl.errors import GraphRLError
 from graphrl.schemas.model import ModelDims, RopeScaling
+from graphrl.schemas.sharding import Head, llama_param_count, llama_params
 
 # `enable_gqa` lets SDPA read the un-repeated K/V heads; without it (torch < 2.5) we repeat K/V,
 # which costs a copy of the whole cache per decode step.
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
-Head = Literal["lm", "value"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,37 +372,15 @@ class LlamaCritic(nn.Module):
 
 
 def param_shapes(dims: ModelDims, head: Head = "lm") -> dict[str, tuple[int, ...]]:
-    """HF-named parameter shapes in module (state-dict) order, computed from dims alone.
-
-    `head="lm"` is `Llama` (no `lm_head.weight` when embeddings are tied); `head="value"` is
-    `LlamaCritic`.
-    """
-    hidden, inter = dims.hidden_size, dims.intermediate_size
-    q_out = dims.num_heads * dims.head_dim
-    kv_out = dims.num_kv_heads * dims.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab_size, hidden)}
-    for i in range(dims.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, hidden)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, hidden)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, hidden)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_out)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-    shapes["model.norm.weight"] = (hidden,)
-    if head == "lm" and not dims.tie_embeddings:
-        shapes["lm_head.weight"] = (dims.vocab_size, hidden)
-    elif head == "value":
-        shapes["value_head.weight"] = (1, hidden)
-    return shapes
+    """HF-named parameter shapes in module (state-dict) order, from the model's parameter inventory
+    (`schemas/sharding.py`). `head="lm"` is `Llama` (no `lm_head.weight` when embeddings are tied);
+    `head="value"` is `LlamaCritic`."""
+    return {p.name: p.shape for p in llama_params(dims, head)}
 
 
 def count_params(dims: ModelDims, head: Head = "lm") -> int:
     """Number of distinct parameters (a tied head counts once)."""
-    return sum(math.prod(shape) for shape in param_shapes(dims, head).values())
+    return llama_param_count(dims, head)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphrl.compiler import weight_sync
-from graphrl.compiler.layout import Mesh, llama_params, shard_bounds, to_slices
+from graphrl.schemas.sharding import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.errors import RunError
 from graphrl.executors.models.llama import Llama
 from graphrl.executors.weightsync import DIRECT_MIN_ELEMS, execute_weight_sync, run_weight_sync

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrl.compiler.ddma import (
+from graphrl.ddma import (
     Bucket,
     Slice,
     TransferRound,
@@ -21,7 +21,7 @@ from graphrl.compiler.ddma import (
     plan_summary,
     plan_weight_sync,
 )
-from graphrl.compiler.layout import (
+from graphrl.schemas.sharding import (
     LayoutFn,
     Mesh,
     MeshAxis,

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrl.compiler.layout import (
+from graphrl.schemas.sharding import (
     Mesh,
     MeshAxis,
     ParamInfo,
@@ -20,7 +20,6 @@ from graphrl.compiler.layout import (
     pp_stage,
     shard_bounds,
     shard_region,
-    split_bounds,
     chunk_bounds,
     fsdp_shard_dim,
     llama_layout_on,
@@ -82,10 +81,12 @@ def test_chunk_bounds_are_what_a_dtensor_shard_holds(length: int, num_pieces: in
 
 
 @given(st.integers(0, 40), st.integers(1, 9))
-def test_split_bounds_follow_torch_tensor_split(length: int, num_pieces: int) -> None:
+def test_bucket_cuts_follow_torch_tensor_split(length: int, num_pieces: int) -> None:
+    from graphrl.ddma import _even_bounds
+
     pieces = torch.tensor_split(torch.arange(length), num_pieces)
     for i, piece in enumerate(pieces):
-        start, stop = split_bounds(length, num_pieces, i)
+        start, stop = _even_bounds(length, num_pieces, i)
         assert torch.equal(piece, torch.arange(start, stop))
 
 

@@ -1,11 +1,10 @@
-"""The executor's tensor-parallel shards against the compiler's layout, without processes."""
+"""The tensor-parallel generator's shards (`tp_region`) against the generic mesh layout the DDMA planner uses, without processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from graphrl.compiler.layout import Mesh, llama_params, shard_bounds
-from graphrl.executors.tensor_parallel import tp_region
+from graphrl.schemas.sharding import Mesh, llama_params, shard_bounds, tp_region
 from graphrl.schemas.model import ModelDims
 
 # Vocabulary and SwiGLU width that split unevenly over 4 ranks.
@@ -15,8 +14,8 @@ DIMS = ModelDims(vocab_size=30, hidden_size=64, intermediate_size=90, num_layers
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("dims", [DIMS, DIMS.model_copy(update={"tie_embeddings": True})], ids=["untied", "tied"])
 def test_executor_shards_are_the_plans_regions(t: int, dims: ModelDims) -> None:
-    """The executor's own copy of the tp layout must give every rank the region the DDMA planner
-    (`compiler/layout.py`) computes, or the weight sync writes into the wrong place."""
+    """The generator's shards must be the regions the DDMA planner computes from the mesh layout
+    (`shard_bounds`), or the weight sync writes into the wrong place."""
     mesh = Mesh.contiguous([("dp", 2), ("tp", t)])
     for rank in range(t):
         for p in llama_params(dims):

@@ -39,7 +39,7 @@ from math import ceil, prod
 from operator import itemgetter
 from typing import Any, Iterator, Sequence
 
-from graphrl.compiler.layout import (
+from graphrl.schemas.sharding import (
     LayoutFn,
     Mesh,
     MeshAxis,
@@ -49,7 +49,6 @@ from graphrl.compiler.layout import (
     pp_stage,
     region_of,
     region_size,
-    split_bounds,
 )
 from graphrl.errors import JobError, PlacementError
 
@@ -406,12 +405,20 @@ def _pieces(dst_region: Region, src_groups: dict[Region, tuple[int, ...]]) -> It
             yield sreg, tuple(c[1] for c in combo)
 
 
+def _even_bounds(length: int, num_pieces: int, index: int) -> tuple[int, int]:
+    """(start, stop) of piece `index` when a bucket's box of `length` is cut into `num_pieces` near-equal
+    pieces (the first length % num_pieces one longer). This cuts transfers, never shards."""
+    q, r = divmod(length, num_pieces)
+    start = index * q + min(index, r)
+    return start, start + q + (1 if index < r else 0)
+
+
 def _split_box(box: Region, parts: int) -> list[Region]:
     """`box` cut into up to `parts` blocks along its outermost dim longer than 1 (tensor_split)."""
     for d, (a, b) in enumerate(box):
         if b - a > 1 and parts > 1:
             k = min(parts, b - a)
-            cuts = [split_bounds(b - a, k, i) for i in range(k)]
+            cuts = [_even_bounds(b - a, k, i) for i in range(k)]
             return [box[:d] + ((a + lo, a + hi),) + box[d + 1 :] for lo, hi in cuts]
     return [box]
 

@@ -1,0 +1,389 @@
+"""A model's parameters and how they are sharded, as data: one torch-free description below the compiler
+and the executors.
+
+- **The inventory and the tensor-parallel plan** (`LLAMA_LAYER`, `LLAMA_EMBEDDING`, `LLAMA_FINAL_NORM`,
+  `LLAMA_HEADS`): every module of a Llama model with its weight's shape as a function of the dims and
+  its tensor-parallel style (colwise, rowwise, vocabulary-parallel, replicated). The compiler's parameter
+  counts and layouts, the DDMA planner's parameter list, the executors' `parallelize_module` plan and the
+  tensor-parallel generator's shards are all generated from it.
+- **Layouts**: a model copy lives on a `Mesh` (`graphrl.schemas.mesh`): global ranks laid out row-major
+  over named axes (`dp`, `fsdp`, `tp`, `pp`). How one parameter spreads over it is a `ParamLayout`: per
+  axis `Replicate()` or `Shard(dim)`. Resharding and weight sync read these as data, so a new
+  parallelism is a new layout function, not new transfer code.
+
+Conventions, used everywhere in graphrl:
+
+- One split rule, DTensor's and FSDP2's (`chunk_bounds`, as torch.chunk): a length L cut into k pieces
+  gives pieces of ceil(L / k), the last ones shorter or empty (L=10, k=4 -> 3, 3, 3, 1).
+- Several axes sharding the same tensor dim nest as torch applies them: tp cuts the full tensor first
+  (`parallelize_module`), then fsdp cuts each tp shard again (`fully_shard`).
+- `pp` never slices a tensor: it assigns whole parameters (layers) to stages. Layers split
+  contiguously over stages (the first L % k stages take one more); `embed_tokens` sits on the first
+  stage, every other non-layer parameter (`model.norm`, `lm_head`) on the last.
+- Axes a layout does not name replicate; axes a mesh does not have have size 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from math import prod
+from typing import Callable, Literal, Mapping, Sequence
+
+from graphrl.errors import PlacementError
+from graphrl.schemas.mesh import Mesh, MeshAxis
+from graphrl.schemas.model import ModelDims
+
+# A region of a full tensor as half-open (start, stop) pairs, one per tensor dim.
+Region = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank along the axis holds the same data."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Ranks along the axis hold consecutive pieces of tensor dim `dim` (`chunk_bounds`)."""
+
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+Placement = Replicate | Shard
+ParamLayout = Mapping[MeshAxis, Placement]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One named parameter of a model: its full shape and the layer it belongs to."""
+
+    name: str
+    shape: tuple[int, ...]
+    layer: int | None = None  # None for embeddings, the final norm and the output head
+    num_layers: int | None = None  # layers of the whole model; needed to place layer params on pp stages
+
+    @property
+    def num_elements(self) -> int:
+        return prod(self.shape)
+
+
+LayoutFn = Callable[[ParamInfo], ParamLayout]
+
+
+def chunk_bounds(length: int, num_pieces: int, index: int) -> tuple[int, int]:
+    """(start, stop) of piece `index` when `length` is sharded over `num_pieces` ranks the way DTensor's
+    `Shard` and FSDP2 do (torch.chunk: pieces of ceil(length / num_pieces), the last ones shorter or
+    empty). Shard regions follow this, so a planned region is exactly what a DTensor rank holds."""
+    size = -(-length // num_pieces)
+    start = min(index * size, length)
+    return start, min(start + size, length)
+
+
+# Axes sharding the same tensor dim nest in the order torch applies them: `parallelize_module` cuts
+# the full tensor over tp first, then `fully_shard` cuts each tp shard over fsdp (a strided shard).
+_NESTING = {MeshAxis.TP: 0, MeshAxis.FSDP: 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages
+
+
+def pp_stage(param: ParamInfo, num_stages: int) -> int:
+    """The pipeline stage that holds `param` whole (see the module docstring for the rule)."""
+    if num_stages == 1:
+        return 0
+    if param.layer is None:
+        return 0 if "embed_tokens" in param.name else num_stages - 1
+    if param.num_layers is None:
+        raise PlacementError(
+            f"parameter {param.name} has layer {param.layer} but no num_layers, so its pp stage is unknown",
+            fix="build ParamInfo with num_layers (llama_params does)",
+        )
+    if not 0 <= param.layer < param.num_layers:
+        raise PlacementError(f"parameter {param.name}: layer {param.layer} is outside 0..{param.num_layers - 1}")
+    q, r = divmod(param.num_layers, num_stages)
+    if param.layer < r * (q + 1):
+        return param.layer // (q + 1)
+    return r + (param.layer - r * (q + 1)) // q
+
+
+# ---------------------------------------------------------------------------------------------
+# Regions
+
+
+def normalize_layout(
+    layout: ParamLayout, mesh: Mesh, shape: Sequence[int], name: str = "?"
+) -> tuple[tuple[int, ...], ...]:
+    """For each tensor dim, the positions in the mesh of the axes that shard it, outermost cut first
+    (tp before fsdp, see `_NESTING`; otherwise mesh order).
+
+    Checks the layout against the tensor: a Shard dim must exist, and pp may not slice a tensor.
+    Axes the mesh does not have are ignored (they have size 1).
+    """
+    per_dim: list[list[int]] = [[] for _ in shape]
+    for key, placement in layout.items():
+        if key not in MeshAxis.__members__.values():
+            raise PlacementError(
+                f"parameter {name}: layout names an unknown mesh axis {key!r}",
+                fix=f"use axes from {[a.value for a in MeshAxis]}",
+            )
+        axis = MeshAxis(key)
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, Shard):
+            raise PlacementError(f"parameter {name}: placement {placement!r} on {axis.value} is not Replicate or Shard")
+        if axis is MeshAxis.PP:
+            raise PlacementError(
+                f"parameter {name}: pp assigns whole layers to stages and cannot Shard a tensor",
+                fix="use Replicate() for pp",
+            )
+        if not 0 <= placement.dim < len(shape):
+            raise PlacementError(
+                f"parameter {name} of shape {tuple(shape)}: Shard({placement.dim}) on {axis.value} names no dim"
+            )
+    for pos, (axis, size) in sorted(enumerate(mesh.axes), key=lambda item: _NESTING.get(item[1][0], 2)):
+        placement = layout.get(axis)
+        if isinstance(placement, Shard) and size > 1:
+            per_dim[placement.dim].append(pos)
+    return tuple(tuple(p) for p in per_dim)
+
+
+def region_of(
+    shape: Sequence[int], dim_axes: Sequence[Sequence[int]], sizes: Sequence[int], coords: Sequence[int]
+) -> Region:
+    """The region a rank with mesh `coords` holds, given `normalize_layout`'s per-dim axis positions."""
+    out = []
+    for length, positions in zip(shape, dim_axes):
+        start = 0
+        for pos in positions:
+            lo, hi = chunk_bounds(length, sizes[pos], coords[pos])
+            start, length = start + lo, hi - lo
+        out.append((start, start + length))
+    return tuple(out)
+
+
+def shard_bounds(param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | None = None) -> Region | None:
+    """Like `shard_region`, as (start, stop) pairs."""
+    layout = llama_layout_on(mesh)(param) if layout is None else layout
+    coords = mesh.coord_tuple(rank)
+    num_stages = mesh.size(MeshAxis.PP)
+    if num_stages > 1:
+        pp_pos = mesh.axis_position(MeshAxis.PP)
+        assert pp_pos is not None
+        if coords[pp_pos] != pp_stage(param, num_stages):
+            return None
+    dim_axes = normalize_layout(layout, mesh, param.shape, param.name)
+    return region_of(param.shape, dim_axes, [s for _, s in mesh.axes], coords)
+
+
+def shard_region(
+    param: ParamInfo, mesh: Mesh, rank: int, layout: ParamLayout | None = None
+) -> tuple[slice, ...] | None:
+    """The region of the full tensor `rank` holds under `layout` (default: `llama_layout_on(mesh)`).
+
+    None when the rank holds nothing of it (the parameter lives on another pp stage). A region may
+    be empty (a dim split into more pieces than it has elements).
+    """
+    bounds = shard_bounds(param, mesh, rank, layout)
+    return None if bounds is None else to_slices(bounds)
+
+
+def to_slices(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in region)
+
+
+def region_size(region: Region) -> int:
+    return prod(b - a for a, b in region)
+
+
+def local_slices(region: Region, within: Region) -> tuple[slice, ...]:
+    """`region` (full-tensor coordinates) as slices into the buffer that holds `within`."""
+    assert all(wa <= a and b <= wb for (a, b), (wa, wb) in zip(region, within)), (region, within)
+    return tuple(slice(a - wa, b - wa) for (a, b), (wa, _) in zip(region, within))
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama: the parameter inventory and the tensor-parallel plan, as data
+
+
+class TpStyle(StrEnum):
+    """How the tensor-parallel axis cuts one module's weight (Megatron-style tensor parallelism)."""
+
+    COLWISE = "colwise"
+    """Output features split (weight Shard(0)): q/k/v, gate/up. Each rank computes its slice of the output."""
+    ROWWISE = "rowwise"
+    """Input features split (weight Shard(1), a bias replicates): o, down. Partial outputs are summed."""
+    VOCAB = "vocab"
+    """Vocabulary rows split (Shard(0)): the embedding and the output head."""
+    REPLICATE = "replicate"
+    """Every tp rank holds the whole tensor: the norms, a critic's value head."""
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One module of a Llama model: its parameter's shape as a function of the dims, and its tp style."""
+
+    name: str
+    """Module path relative to a decoder layer (`self_attn.q_proj`), or from the model's root."""
+    shape: Callable[[ModelDims], tuple[int, ...]]
+    tp: TpStyle
+
+
+def _q_rows(d: ModelDims) -> int:
+    return d.num_heads * d.head_dim
+
+
+def _kv_rows(d: ModelDims) -> int:
+    return d.num_kv_heads * d.head_dim
+
+
+# The modules of one decoder layer, in checkpoint order. Every weight is `<module>.weight`.
+LLAMA_LAYER: tuple[ModuleSpec, ...] = (
+    ModuleSpec("self_attn.q_proj", lambda d: (_q_rows(d), d.hidden_size), TpStyle.COLWISE),
+    ModuleSpec("self_attn.k_proj", lambda d: (_kv_rows(d), d.hidden_size), TpStyle.COLWISE),
+    ModuleSpec("self_attn.v_proj", lambda d: (_kv_rows(d), d.hidden_size), TpStyle.COLWISE),
+    ModuleSpec("self_attn.o_proj", lambda d: (d.hidden_size, _q_rows(d)), TpStyle.ROWWISE),
+    ModuleSpec("mlp.gate_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE),
+    ModuleSpec("mlp.up_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE),
+    ModuleSpec("mlp.down_proj", lambda d: (d.hidden_size, d.intermediate_size), TpStyle.ROWWISE),
+    ModuleSpec("input_layernorm", lambda d: (d.hidden_size,), TpStyle.REPLICATE),
+    ModuleSpec("post_attention_layernorm", lambda d: (d.hidden_size,), TpStyle.REPLICATE),
+)
+# The modules outside the layers: before them, and after them by head kind (a tied lm head has none).
+LLAMA_EMBEDDING = ModuleSpec("model.embed_tokens", lambda d: (d.vocab_size, d.hidden_size), TpStyle.VOCAB)
+LLAMA_FINAL_NORM = ModuleSpec("model.norm", lambda d: (d.hidden_size,), TpStyle.REPLICATE)
+LLAMA_HEADS: dict[str, ModuleSpec] = {
+    "lm": ModuleSpec("lm_head", lambda d: (d.vocab_size, d.hidden_size), TpStyle.VOCAB),
+    "value": ModuleSpec("value_head", lambda d: (1, d.hidden_size), TpStyle.REPLICATE),
+}
+Head = Literal["lm", "value"]
+
+_TP_STYLE: dict[str, TpStyle] = {m.name.split(".")[-1]: m.tp
+                                 for m in (*LLAMA_LAYER, LLAMA_EMBEDDING, LLAMA_FINAL_NORM, *LLAMA_HEADS.values())}
+
+
+def _head(dims: ModelDims, head: Head) -> list[ModuleSpec]:
+    """The output head's module, if it has its own weight (a tied lm head reads the embedding)."""
+    return [LLAMA_HEADS[head]] if head == "value" or not dims.tie_embeddings else []
+
+
+def llama_modules(dims: ModelDims, head: Head = "lm") -> list[tuple[str, ModuleSpec, int | None]]:
+    """(full module name, spec, layer) of every parameterised module of a Llama model, in checkpoint order."""
+    out: list[tuple[str, ModuleSpec, int | None]] = [(LLAMA_EMBEDDING.name, LLAMA_EMBEDDING, None)]
+    for layer in range(dims.num_layers):
+        out += [(f"model.layers.{layer}.{m.name}", m, layer) for m in LLAMA_LAYER]
+    out += [(m.name, m, None) for m in (LLAMA_FINAL_NORM, *_head(dims, head))]
+    return out
+
+
+def llama_params(dims: ModelDims, head: Head = "lm") -> list[ParamInfo]:
+    """Every parameter of a Hugging Face Llama model (`head="value"`: graphrl's critic), in checkpoint order."""
+    return [ParamInfo(f"{name}.weight", spec.shape(dims), layer, dims.num_layers)
+            for name, spec, layer in llama_modules(dims, head)]
+
+
+def llama_layer_param_count(dims: ModelDims, *, matmuls_only: bool = False) -> int:
+    """Parameters of one decoder layer (with `matmuls_only`, of its linear layers alone)."""
+    return sum(prod(m.shape(dims)) for m in LLAMA_LAYER if not matmuls_only or len(m.shape(dims)) == 2)
+
+
+def llama_param_count(dims: ModelDims, head: Head = "lm") -> int:
+    """Number of distinct parameters (a tied head counts once), without listing every layer's."""
+    outer = (LLAMA_EMBEDDING, LLAMA_FINAL_NORM, *_head(dims, head))
+    return dims.num_layers * llama_layer_param_count(dims) + sum(prod(m.shape(dims)) for m in outer)
+
+
+def tp_style(name: str) -> TpStyle:
+    """The tensor-parallel style of a HF-named Llama parameter (`model.layers.3.mlp.up_proj.weight`)."""
+    module, _ = _module_and_kind(name)
+    style = _TP_STYLE.get(module)
+    if style is None:
+        raise PlacementError(
+            f"parameter {name} is not a Llama parameter, so its tensor-parallel layout is unknown",
+            fix="give a layout function for this model",
+        )
+    return style
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The tensor dim the tp axis cuts of a HF-named Llama parameter; None when it is replicated."""
+    style = tp_style(name)
+    _, kind = _module_and_kind(name)
+    if style in (TpStyle.COLWISE, TpStyle.VOCAB):
+        return 0
+    if style is TpStyle.ROWWISE and kind == "weight":
+        return 1
+    return None
+
+
+def tp_region(name: str, shape: Sequence[int], tp_rank: int, tp_size: int) -> Region:
+    """The region of the full tensor `name` that rank `tp_rank` of a tp group holds."""
+    region = [(0, n) for n in shape]
+    dim = tp_split_dim(name)
+    if dim is not None:
+        region[dim] = chunk_bounds(shape[dim], tp_size, tp_rank)
+    return tuple(region)
+
+
+def tp_split_problem(dims: ModelDims, tp: int, kind: str = "generate") -> str | None:
+    """Why `tp` tensor-parallel shards cannot split this model evenly for a role of `kind`, or None when
+    they can: the query heads and the feed-forward width divide by tp; the KV heads divide by tp, or,
+    for generation only (fewer KV heads than shards), tp divides by them and each KV head is replicated
+    on tp / num_kv_heads shards. A trainer's shards are DTensors of one layout, which never replicate."""
+    if dims.num_heads % tp:
+        return f"tp {tp} does not divide the {dims.num_heads} attention heads"
+    if kind == "train" and dims.num_kv_heads % tp:
+        return f"tp {tp} does not divide the {dims.num_kv_heads} KV heads (a trainer does not replicate KV heads)"
+    if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
+        return (f"tp {tp} neither divides the {dims.num_kv_heads} KV heads nor is a multiple of them "
+                "(to replicate each KV head)")
+    if dims.intermediate_size % tp:
+        return f"tp {tp} does not divide the feed-forward width {dims.intermediate_size}"
+    return None
+
+
+def llama_param_layout(param: ParamInfo, *, tp_sharded: bool = True, fsdp_dim: int = 0) -> dict[MeshAxis, Placement]:
+    """A Llama parameter's placement per mesh axis: tp as `tp_split_dim` says (replicated with
+    `tp_sharded=False`); fsdp shards dim `fsdp_dim` (FSDP2; `llama_layout_on` picks it per parameter by
+    `fsdp_shard_dim`, 0 for all but row-parallel weights); dp and pp replicate."""
+    dim = tp_split_dim(param.name)
+    tp: Placement = Shard(dim) if dim is not None and tp_sharded else Replicate()
+    return {MeshAxis.DP: Replicate(), MeshAxis.FSDP: Shard(fsdp_dim), MeshAxis.TP: tp, MeshAxis.PP: Replicate()}
+
+
+def _module_and_kind(name: str) -> tuple[str, str]:
+    parts = name.split(".")
+    return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+
+
+def fsdp_shard_dim(name: str, shape: Sequence[int], fsdp: int, tp: int) -> int:
+    """The dim FSDP cuts parameter `name` along, on a copy sharded `fsdp` ways with `tp`-way tensor parallel.
+
+    A row-parallel weight (o_proj, down_proj) is cut along its input dim (1) when the copy has no tp and
+    that dim splits evenly: each fsdp rank then holds whole column blocks, the shards a tensor-parallel
+    generator's rank holds, so a weight sync into tp shards sends (or, on shared ranks, copies)
+    contiguous blocks where row shards would make every sender gather strided columns first.
+    Everything else, and every uneven split (FSDP2 takes dim > 0 only when even), is cut along dim 0.
+    With tp, the tp axis already cuts dim 1 and fsdp nests on dim 0, as torch's 2-D FSDP does.
+    """
+    _, kind = _module_and_kind(name)
+    row_weight = _TP_STYLE.get(_module_and_kind(name)[0]) is TpStyle.ROWWISE and kind == "weight" and len(shape) == 2
+    return 1 if row_weight and tp == 1 and fsdp > 1 and shape[1] % fsdp == 0 else 0
+
+
+def llama_layout_on(mesh: Mesh) -> LayoutFn:
+    """`llama_param_layout` for a model copy on `mesh`, fsdp cutting each parameter along
+    `fsdp_shard_dim` (what `executors/parallel.py` tells `fully_shard`)."""
+    fsdp, tp = mesh.size(MeshAxis.FSDP), mesh.size(MeshAxis.TP)
+
+    def layout(param: ParamInfo) -> ParamLayout:
+        return llama_param_layout(param, fsdp_dim=fsdp_shard_dim(param.name, param.shape, fsdp, tp))
+
+    return layout
