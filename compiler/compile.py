@@ -10,6 +10,7 @@ from graphrl.loader import LoadedJob
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.plan import Plan
 
+from graphrl.compiler.bind import run_bindings
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.placed import PlacedLayout
 from graphrl.compiler.passes import CompileContext, run_passes
@@ -28,6 +29,7 @@ def plan_of(graph: JobGraph, cluster: ClusterSpec) -> Plan:
         job=graph.job, cluster=cluster, hardware=placed.hardware, chosen=placed.chosen,
         baseline=placed.baseline, candidates_considered=placed.candidates_considered,
         candidates=list(placed.candidates), programs=graph.attrs.get("programs"),
+        bindings=run_bindings(graph, placed.chosen),
     )
 
 

@@ -24,6 +24,7 @@ from typing import Literal, Sequence
 
 from graphrl.errors import GraphRLError
 from graphrl.schemas.hardware import CollectiveFit, HardwareSpec
+from graphrl.schemas.job import PRECISION_BYTES
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.sharding import LLAMA_LAYER, llama_layer_param_count, llama_param_count
 
@@ -37,7 +38,6 @@ FP32_BYTES = 4
 WEIGHT_BYTES_PER_PARAM = 2
 GRAD_BYTES_PER_PARAM = 2
 ADAM_BYTES_PER_PARAM = 12
-PRECISION_BYTES: dict[str, int] = {"bf16": 2, "fp8": 1}
 # Logits for the loss / log-softmax: the bf16 matmul output plus its fp32 upcast.
 LOGIT_BYTES = BF16_BYTES + FP32_BYTES
 SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "fsdp")

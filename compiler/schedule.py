@@ -209,7 +209,7 @@ def _transcript(graph: JobGraph, shape: JobShape, layout: Layout, offload: Offlo
         for i in range(steps):
             v = versions[i]
             if first_use[v] == i:
-                out.emit(gen.ranks(), WeightSync(model, v, sync.transfer, "sync"))
+                out.emit(gen.ranks(), WeightSync(model, v, sync.transfer, policy.name, gen_role.name, "sync"))
             generate(i, v)
             _reshard(i, reshard, out, recvs=False)
         # Trainer: version 0 first; then per step receive, train, receive every step generated with
@@ -227,12 +227,12 @@ def _transcript(graph: JobGraph, shape: JobShape, layout: Layout, offload: Offlo
 
         for i in range(steps):
             if i == 0 and 0 in first_use:
-                out.emit(train.ranks(), WeightSync(model, 0, sync.transfer, "sync"))
+                out.emit(train.ranks(), WeightSync(model, 0, sync.transfer, policy.name, gen_role.name, "sync"))
             receive_through(i)
             _trainer_step(graph, i, train, responses, group, offload, out)
             receive_through(last_from[i])
             if i + 1 in first_use:
-                out.emit(train.ranks(), WeightSync(model, i + 1, sync.transfer, "sync"))
+                out.emit(train.ranks(), WeightSync(model, i + 1, sync.transfer, policy.name, gen_role.name, "sync"))
             out.emit(train.ranks(), Checkpoint(i, "trainer"))
     return tuple(tuple(s) for s in out.streams)
 

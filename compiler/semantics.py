@@ -1,21 +1,21 @@
-"""What each instruction kind means, in one table: to the executor, the simulator and `verify`.
+"""What each instruction kind means to the compiler, in one table: to the simulator and `verify`.
 
-Every kind of `graphrl.schemas.program` has one `Semantics` entry here, and nothing else decides:
-- the executor runs an instruction with the method its entry names (`handler`);
-- the simulator times it with its entry's `duration` and lets it meet the peer kind its entry names
-  (`p2p`: a send meets the receive with its tag), or its group when it names one;
-- `verify` applies its entry's `memory` effect to a rank's ledger and follows its entry's `weights`
-  role (which instruction sets the weight version a rank holds, which uses it, which produces one).
+Every kind of `graphrl.schemas.program` has one `Semantics` entry here:
+- the simulator times it with its entry's `duration` and lets it meet the peer kind its traits name
+  (`TRAITS[kind].p2p`: a send meets the receive with its tag), or its group when it names one;
+- `verify` applies its entry's `memory` effect to a rank's ledger and follows its traits' `weights`
+  part (which instruction sets the weight version a rank holds, which uses it, which produces one).
 
-Adding an instruction kind is its dataclass in `schemas/program.py` and its entry below; the test
-`tests/unit/test_semantics.py` refuses a kind without one and an entry whose handler the executor lacks.
+What every reader of a program must agree on (weights, p2p, moves, rollout) is `schemas.program.TRAITS`,
+read by the executors too; the executors' handlers are their own table (`executors/interpreter.py`).
+Adding an instruction kind is its dataclass and traits in `schemas/program.py`, its entry below and its
+handler; `tests/unit/test_semantics.py` refuses a kind that lacks any of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 from graphrl.errors import VerifyError
 from graphrl.schemas.hardware import HardwareSpec
@@ -138,48 +138,35 @@ def _not_timed_here(ins: Instruction, costs: Costs) -> float:
 
 @dataclass(frozen=True)
 class Semantics:
-    """One instruction kind's meaning."""
+    """One instruction kind's meaning to the compiler (its traits, shared with the executors, are
+    `schemas.program.TRAITS`)."""
 
-    handler: str
-    """The executor's method that runs it (`RankExecutor.<handler>(ins)`)."""
     duration: Callable[[Instruction, Costs], float]
     """Its predicted seconds, for the simulator."""
     gantt: str
     """Its letter in the simulator's text Gantt chart."""
     memory: Callable[[Instruction, Ledger], float] = _no_memory
     """Its effect on the rank's memory ledger; returns the transient bytes while it runs."""
-    moves: Literal[-1, 0, 1] = 0
-    """-1 moves state off the device, +1 back onto it (a loop body's moves must cancel)."""
-    weights: Literal["", "sets", "uses", "produces"] = ""
-    """Its part in weight versions: sets the version a rank holds, uses it, or produces a new one."""
-    p2p: Literal["", "send", "recv"] = ""
-    """Its side of a point-to-point pair: a "send" meets the "recv" with the same tag, and each waits
-    for the other."""
-    rollout: bool = False
-    """Makes or moves a step's rollouts (a resumed run skips those the checkpoint holds)."""
 
 
 SEMANTICS: dict[type, Semantics] = {
-    Generate: Semantics("generate", _of_role, "G", _compute_memory(("params",)), weights="uses", rollout=True),
-    Logprob: Semantics("logprob", _forward, "F", _compute_memory(("params",))),
-    Value: Semantics("value", _forward, "F", _compute_memory(("params",))),
-    Reward: Semantics("reward", _forward, "R", _compute_memory(("params",))),
-    Advantage: Semantics("advantage", _by_kind, "a"),
-    TrainStep: Semantics("train_step", _of_role, "T", _compute_memory(STATE), weights="produces"),
-    Send: Semantics("send", _not_timed_here, ">", p2p="send", rollout=True),
-    Recv: Semantics("recv", _not_timed_here, "<", p2p="recv", rollout=True),
-    Offload: Semantics("offload", lambda ins, c: c.host_link(ins.num_bytes), "o",  # type: ignore[union-attr]
-                       lambda ins, ledger: ledger.drop(ins.role, ins.state) or 0.0, moves=-1),  # type: ignore[union-attr]
-    Onload: Semantics("onload", lambda ins, c: c.host_link(ins.num_bytes), "o",  # type: ignore[union-attr]
-                      lambda ins, ledger: ledger.load(ins.role, ins.state) or 0.0, moves=1),  # type: ignore[union-attr]
-    WeightSync: Semantics("weight_sync", lambda ins, c: c.of(CostKey("WeightSync", ins.transfer)), "S",  # type: ignore[union-attr]
-                          weights="sets"),
-    ReshardInPlace: Semantics("reshard_in_place", lambda ins, c: c.of(CostKey("ReshardInPlace", ins.model)), "S",  # type: ignore[union-attr]
-                              lambda ins, ledger: ledger.keep(ins.dst_role, ("params",)) or 0.0,  # type: ignore[union-attr]
-                              weights="sets"),
-    ReleaseWeights: Semantics("release_weights", _by_kind, ".",
-                              lambda ins, ledger: ledger.keep(ins.role, ()) or 0.0),  # type: ignore[union-attr]
-    Checkpoint: Semantics("checkpoint", _by_kind, "C"),
+    Generate: Semantics(_of_role, "G", _compute_memory(("params",))),
+    Logprob: Semantics(_forward, "F", _compute_memory(("params",))),
+    Value: Semantics(_forward, "F", _compute_memory(("params",))),
+    Reward: Semantics(_forward, "R", _compute_memory(("params",))),
+    Advantage: Semantics(_by_kind, "a"),
+    TrainStep: Semantics(_of_role, "T", _compute_memory(STATE)),
+    Send: Semantics(_not_timed_here, ">"),
+    Recv: Semantics(_not_timed_here, "<"),
+    Offload: Semantics(lambda ins, c: c.host_link(ins.num_bytes), "o",  # type: ignore[union-attr]
+                       lambda ins, ledger: ledger.drop(ins.role, ins.state) or 0.0),  # type: ignore[union-attr]
+    Onload: Semantics(lambda ins, c: c.host_link(ins.num_bytes), "o",  # type: ignore[union-attr]
+                      lambda ins, ledger: ledger.load(ins.role, ins.state) or 0.0),  # type: ignore[union-attr]
+    WeightSync: Semantics(lambda ins, c: c.of(CostKey("WeightSync", ins.transfer)), "S"),  # type: ignore[union-attr]
+    ReshardInPlace: Semantics(lambda ins, c: c.of(CostKey("ReshardInPlace", ins.model)), "S",  # type: ignore[union-attr]
+                              lambda ins, ledger: ledger.keep(ins.dst_role, ("params",)) or 0.0),  # type: ignore[union-attr]
+    ReleaseWeights: Semantics(_by_kind, ".", lambda ins, ledger: ledger.keep(ins.role, ()) or 0.0),  # type: ignore[union-attr]
+    Checkpoint: Semantics(_by_kind, "C"),
 }
 """Instruction kind -> its meaning."""
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from graphrl.errors import VerifyError
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.program import Instruction, Programs, describe, label
+from graphrl.schemas.program import TRAITS, Instruction, Programs, describe, label
 
 from graphrl.compiler.semantics import BY_NAME, SEMANTICS, Costs
 
@@ -104,7 +104,7 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
             pc[r] += 1
             if trace and r in trace_ranks:  # type: ignore[operator]
                 spans.append(Span(r, label(ins), type(ins).__name__, start, end))
-        if SEMANTICS[type(ins)].weights == "produces":
+        if TRAITS[type(ins)].weights == "produces":
             step_done[ins.step] = max(step_done.get(ins.step, 0.0), end)  # type: ignore[union-attr]
 
     ready = list(range(n))
@@ -115,7 +115,7 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
             if rank in waiting_at:
                 break
             ins = stream[pc[rank]]
-            side = SEMANTICS[type(ins)].p2p
+            side = TRAITS[type(ins)].p2p
             if side:
                 tag = ins.tag  # type: ignore[union-attr]
                 other = pending_p2p.get(tag)
@@ -125,7 +125,7 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
                     pending_p2p[tag] = rank
                     break  # wait for the peer
                 peer_ins = streams[other][pc[other]]
-                if SEMANTICS[type(peer_ins)].p2p in ("", side) or ins.peer != other or peer_ins.peer != rank:  # type: ignore[union-attr]
+                if TRAITS[type(peer_ins)].p2p in ("", side) or ins.peer != other or peer_ins.peer != rank:  # type: ignore[union-attr]
                     raise VerifyError(
                         f"rank {rank} instruction {pc[rank]} ({describe(ins)}) meets rank {other} "
                         f"instruction {pc[other]} ({describe(peer_ins)}) with the same tag but they do not match",
@@ -188,10 +188,10 @@ def _deadlock(programs: Programs, pc: list[int], unfinished: list[int], waiting_
               pending_p2p: dict[int, int]) -> VerifyError:
     rank = unfinished[0]
     ins = programs.streams[rank][pc[rank]]
-    if SEMANTICS[type(ins)].p2p:
+    if TRAITS[type(ins)].p2p:
         peer = ins.peer  # type: ignore[union-attr]
         peer_ins = programs.streams[peer][pc[peer]] if pc[peer] < len(programs.streams[peer]) else None
-        reason = (f"waits for rank {peer} to {'receive' if SEMANTICS[type(ins)].p2p == 'send' else 'send'} (tag {ins.tag}), "  # type: ignore[union-attr]
+        reason = (f"waits for rank {peer} to {'receive' if TRAITS[type(ins)].p2p == 'send' else 'send'} (tag {ins.tag}), "  # type: ignore[union-attr]
                   f"but rank {peer} is at " + (f"instruction {pc[peer]} ({describe(peer_ins)})" if peer_ins else "its end"))
     elif rank in waiting_at:
         group_name, _ = waiting_at[rank]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from graphrl.errors import VerifyError
 from graphrl.ir import JobGraph
 from graphrl.schemas.plan import Layout
-from graphrl.schemas.program import Programs, describe
+from graphrl.schemas.program import TRAITS, Programs, describe
 
 from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.semantics import SEMANTICS, STATE, Ledger
@@ -61,12 +61,12 @@ def check_staleness(programs: Programs, mode: str, max_staleness: int) -> None:
     produced: set[int] = {0}
     for stream in programs.streams:
         for ins in stream:
-            if SEMANTICS[type(ins)].weights == "produces":
+            if TRAITS[type(ins)].weights == "produces":
                 produced.add(ins.version)  # type: ignore[union-attr]
     for rank, stream in enumerate(programs.streams):
         held: int | None = None
         for index, ins in enumerate(stream):
-            weights = SEMANTICS[type(ins)].weights
+            weights = TRAITS[type(ins)].weights
             if weights == "sets":
                 if ins.version not in produced:  # type: ignore[union-attr]
                     raise VerifyError(f"rank {rank} instruction {index} ({describe(ins)}): version {ins.version} "  # type: ignore[union-attr]
@@ -104,7 +104,7 @@ def check_body_memory_balance(programs: Programs) -> None:
     for rank, program in enumerate(programs.ranks):
         net: dict[tuple[str, str], int] = {}
         for ins in program.body:
-            moves = SEMANTICS[type(ins)].moves
+            moves = TRAITS[type(ins)].moves
             if moves:
                 for k in ins.state:  # type: ignore[union-attr]
                     net[(ins.role, k)] = net.get((ins.role, k), 0) + moves  # type: ignore[union-attr]

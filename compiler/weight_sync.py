@@ -4,12 +4,12 @@ Disaggregated layouts get one DDMA plan (graphrl.ddma) per trained model that ge
 the trainer's shards intersected with the generator's shards per parameter, bucketed, in
 contention-free rounds, stored in the plan as a `WeightSyncRecord` and run by a `WeightSync` group
 instruction. Colocated layouts reshard in place (`ReshardInPlace`): the same devices hold both roles.
-Executors fill a tensor-parallel generator there by the same planner (`policy_sync_record`, planned
+Executors fill a tensor-parallel generator there by the same planner (`graphrl.ddma.rank_sync_record`, planned
 when the run starts, not stored: on large meshes the rounds would dominate the plan and its compile
 time): each rank copies what its own trainer shards hold and receives the rest (with an fsdp trainer
 as wide as the generator's tp, only the norms cross; see `fsdp_shard_dim`), where gathering the whole
 model on every rank would need a full transient copy per device and tp times the traffic. A plan
-too large to store its DDMA rounds (`MAX_STORED_BUCKETS`) is replanned the same way.
+too large to store its DDMA rounds (`graphrl.ddma.MAX_STORED_BUCKETS`) is replanned the same way.
 """
 
 from __future__ import annotations
@@ -23,24 +23,16 @@ from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.program import CostKey
-from graphrl.errors import RunError
-from graphrl.schemas.plan import Layout, Plan
-from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
+from graphrl.schemas.plan import Layout
+from graphrl.schemas.weightsync import WeightSyncRecord
 
 from graphrl.compiler import cost
-from graphrl.ddma import plan_summary, plan_weight_sync
-from graphrl.schemas.sharding import llama_layout_on, llama_params
+from graphrl.ddma import DDMA_BUCKET_BYTES, plan_llama_sync, sync_record
 from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.roles import JobShape
 
 if TYPE_CHECKING:
     from graphrl.compiler.placed import PlacedLayout
-
-# DDMA plans with more buckets than this keep only their summary in the plan file (a 405B plan has
-# ~10^5 buckets); executors of such plans recompute the rounds with the same deterministic planner.
-MAX_STORED_BUCKETS = 20_000
-DDMA_BUCKET_BYTES = 256 << 20
-
 
 @dataclass(frozen=True)
 class WeightSyncPlan:
@@ -75,56 +67,17 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
 
 @functools.lru_cache(maxsize=16)
 def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
-                precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES,
-                rank: int | None = None) -> tuple[WeightSyncRecord, float]:
-    """Plan the trainer -> generator weight copy; return (the record the plan stores, predicted seconds).
-
-    The record keeps its rounds when they hold at most `MAX_STORED_BUCKETS` buckets. With `rank`, it
-    keeps them whatever their number, but only the buckets and local copies `rank` takes part in (each
-    round in place, maybe empty): what that rank's executor runs, in memory that does not grow with
-    the mesh. The summary always describes the whole sync.
+                precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
+    """Plan the trainer -> generator weight copy (`graphrl.ddma`); return (the record the plan stores,
+    predicted seconds: each round as long as its largest bucket on the links it crosses).
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
     schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
-    plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
-                            dst_layout=llama_layout_on(dst), src_bytes_per_elem=cost.BF16_BYTES,
-                            dst_bytes_per_elem=cost.PRECISION_BYTES[precision], bucket_bytes=bucket_bytes)
+    plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes)
     spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
     bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency
     seconds = sum(r.max_bucket_bytes / bw + hw.link_latency_s for r in plan.rounds)
-    stored = rank is not None or plan.num_buckets <= MAX_STORED_BUCKETS
-
-    def slices(bucket) -> tuple[Slice, ...]:  # noqa: ANN001
-        return tuple(Slice(s.param, tuple(tuple(x) for x in s.src_region)) for s in bucket.slices)
-
-    def mine(*ranks: int) -> bool:
-        return rank is None or rank in ranks
-
-    record = WeightSyncRecord(
-        model=model,
-        src=src, dst=dst,
-        src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
-        bucket_bytes=bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=seconds,
-        rounds=[[Bucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets if mine(b.src, b.dst)]
-                for r in plan.rounds] if stored else None,
-        local=[LocalCopy(b.src, b.num_bytes, slices(b)) for b in plan.local_copies if mine(b.src)] if stored else [],
-    )
-    return record, seconds
-
-
-def policy_sync_record(plan: Plan, model: str, rank: int) -> WeightSyncRecord:
-    """`rank`'s part of `model`'s trainer -> generator DDMA plan on the plan's chosen layout, exactly as
-    `ddma_record` plans it at compile time (the planner is deterministic; the result is cached).
-    What executors run where the plan holds no rounds: a colocated tensor-parallel generator, or a
-    disaggregated sync whose rounds were too many to store."""
-    by_kind = {p.kind: p for p in plan.chosen.placements if p.model == model and p.kind in ("train", "generate")}
-    if set(by_kind) != {"train", "generate"}:
-        raise RunError(f"the plan has no trainer and generator of {model} to sync weights between")
-    train, gen = by_kind["train"], by_kind["generate"]
-    dims = plan.job.models[model].resolved_dims()
-    record, _ = ddma_record(dims, model, plan.hardware, plan.cluster.devices_per_node, plan.chosen.role_mesh(train),
-                            plan.chosen.role_mesh(gen), gen.precision, DDMA_BUCKET_BYTES, rank)
-    return record
+    return sync_record(plan, model, src, dst, seconds), seconds
 
 
 def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> list[str]:
@@ -174,5 +127,4 @@ def weight_sync(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     placed: PlacedLayout = graph["placement"]
     return graph.with_attr("weight_sync", plan_policy_sync(placed.shape, placed.chosen, placed.durations))
 
-__all__ = ["weight_sync", "DDMA_BUCKET_BYTES", "MAX_STORED_BUCKETS", "WeightSyncPlan", "check_weight_sync", "ddma_record",
-           "plan_policy_sync"]
+__all__ = ["weight_sync", "WeightSyncPlan", "check_weight_sync", "ddma_record", "plan_policy_sync"]

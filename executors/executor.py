@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from graphrl.errors import RunError
 from graphrl.schemas.weightsync import WeightSyncRecord
-from graphrl.ir import build_graph
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.plan import Plan, RolePlacement
@@ -43,6 +42,7 @@ from graphrl.schemas.program import (
     Reward,
     Send,
     TrainStep,
+    TRAITS,
     Value,
     WeightSync,
     describe,
@@ -51,8 +51,7 @@ from graphrl.datasets import prompt_source
 from graphrl.rewards import RewardRuleError, combined_reward
 from graphrl.tasks import REWARDS, resolve_callable
 
-from graphrl.compiler.semantics import SEMANTICS
-from graphrl.compiler.weight_sync import policy_sync_record
+from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
@@ -153,16 +152,16 @@ class RankExecutor:
         self.programs = plan.programs
         # This rank's part of each weight sync the plan holds no rounds for, planned at its first use.
         self.replanned_syncs: dict[str, WeightSyncRecord] = {}
-        self.graph = build_graph(plan.job)
-        self.nodes = {n.name: n for n in self.graph.nodes()}
-        self.inputs = {n.name: {e.dst_port: (e.src, e.src_port) for e in self.graph.in_edges(n.name)}
-                       for n in self.graph.nodes()}
-        gen_node = next(n for n in self.graph.nodes() if n.op == "generate")
-        data_node = next(n for n in self.graph.nodes() if n.op == "dataset")
+        if plan.bindings is None:
+            raise RunError("the plan binds no nodes or roles for the executors", fix="compile it again")
+        self.bindings = plan.bindings
+        self.nodes = plan.bindings.nodes
+        gen_node = self.nodes[plan.bindings.generate_node]
+        data_node = self.nodes[plan.bindings.dataset_node]
         self.gen_node, self.data_node = gen_node, data_node
         # The policy is the model the rollouts are sampled from; its training role is named after it.
-        self.policy_role = gen_node.spec.model
-        self.last_train_node = [n for n in self.graph.topo_order() if self.nodes[n].op == "train"][-1]
+        self.policy_role = plan.bindings.policy_model
+        self.last_train_node = plan.bindings.last_train_node
         self.group_size = gen_node.spec.samples_per_prompt
         self.seed = plan.job.run.seed
         self.source = prompt_source(plan.job, data_node.spec, gen_node.spec)
@@ -181,7 +180,7 @@ class RankExecutor:
         self._build_roles(resume_state)
         self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
         self.dispatch: dict[type, Callable[[Any], None]] = {
-            kind: getattr(self, entry.handler) for kind, entry in SEMANTICS.items()}
+            kind: handler.__get__(self) for kind, handler in HANDLERS.items()}
         self.index = 0
         self.spans = SpanRecorder(self.rank)
         self.profiler = RankProfiler(self.rank, profile, runtime.device)
@@ -225,8 +224,8 @@ class RankExecutor:
                 self.roles[p.role] = RoleState(p, self.roles[p.model].module)
                 continue
             torch.manual_seed(self.seed * 7919 + sum(map(ord, spec.init_from or p.model)))
-            is_critic = any(n.op == "value" and n.spec.model == p.model for n in self.graph.nodes()) or \
-                any(n.op == "reward" and n.spec.model == p.model for n in self.graph.nodes())
+            binding = self.bindings.roles[p.role]
+            is_critic = binding.head == "value"
             module = (LlamaCritic(dims) if is_critic else Llama(dims)).to(device=self.rt.device, dtype=dtype)
             if spec.checkpoint is not None:
                 from graphrl.models.checkpoints import load_state
@@ -237,7 +236,7 @@ class RankExecutor:
                 module = TensorParallelLlama.from_full(module, self._tensor_parallel_group(p))
             state = RoleState(p, module)
             if p.kind == "train":
-                lr = next((n.spec.lr for n in self.graph.nodes() if n.op == "train" and n.spec.model == p.model and n.spec.lr), None)
+                lr = binding.lr
                 alg_spec = self.job.algorithm
                 if p.tp > 1:
                     state.wrapped, state.wrapping = wrap_tensor_parallel_trainer(
@@ -322,7 +321,7 @@ class RankExecutor:
         step = getattr(ins, "step", None)
         if step is not None and step < self.start_step:
             return True
-        entry = SEMANTICS[type(ins)]
+        entry = TRAITS[type(ins)]
         if entry.weights == "sets":
             return ins.version < self.start_step  # type: ignore[union-attr]
         return entry.rollout and step in self.restored_steps
@@ -365,14 +364,14 @@ class RankExecutor:
 
     def read(self, ins: Instruction, port: str) -> Any:
         node = getattr(ins, "node")
-        src = self.inputs[node].get(port)
+        src = self.nodes[node].inputs.get(port)
         if src is None:
             return None
-        if self.nodes[src[0]].op == "generate":
+        if src.op == "generate":
             return self.rollouts(ins.step, ins.start, ins.stop, ins)  # type: ignore[attr-defined]
-        key = (ins.step, src[0], src[1])  # type: ignore[attr-defined]
+        key = (ins.step, src.node, src.port)  # type: ignore[attr-defined]
         if key not in self.values:
-            raise self.fail(ins, f"input {port} ({src[0]}.{src[1]}) of step {ins.step} was never computed here")  # type: ignore[attr-defined]
+            raise self.fail(ins, f"input {port} ({src.node}.{src.port}) of step {ins.step} was never computed here")  # type: ignore[attr-defined]
         return self.values[key]
 
     # -- handlers ----------------------------------------------------------------------------------
@@ -621,7 +620,7 @@ class RankExecutor:
             return stored
         record = self.replanned_syncs.get(model)
         if record is None:
-            record = policy_sync_record(self.plan, model, self.rank)
+            record = rank_sync_record(self.plan, model, self.rank)
             if stored is not None and record.summary != stored.summary:
                 raise RunError(f"the weight sync of {model} replanned here differs from the plan's "
                                f"({record.summary.num_buckets} buckets, the plan says {stored.summary.num_buckets})",
@@ -631,8 +630,8 @@ class RankExecutor:
 
     def weight_sync(self, ins: WeightSync) -> None:
         data = self._sync_record(ins.model, self.programs.weight_syncs[ins.transfer])
-        src_role = self.roles.get(ins.model)
-        dst_role = self.roles.get(f"{ins.model}/generate")
+        src_role = self.roles.get(ins.src_role)
+        dst_role = self.roles.get(ins.dst_role)
         if src_role is not None and src_role.placement.kind == "train" and src_role.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src_role.version}, the plan syncs {ins.version}")
         run_weight_sync(data, self.rank, src_role.module if src_role and src_role.placement.kind == "train" else None,
@@ -697,6 +696,26 @@ class RankExecutor:
             if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
                 export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
                                spec.checkpoint)
+
+
+# One handler per instruction kind: the executor's part of each kind's meaning (`schemas.program.TRAITS`
+# holds the part every reader of a program shares; `compiler/semantics.py` the simulator's and verify's).
+HANDLERS: dict[type, Callable[..., None]] = {
+    Generate: RankExecutor.generate,
+    Logprob: RankExecutor.logprob,
+    Value: RankExecutor.value,
+    Reward: RankExecutor.reward,
+    Advantage: RankExecutor.advantage,
+    TrainStep: RankExecutor.train_step,
+    Send: RankExecutor.send,
+    Recv: RankExecutor.recv,
+    Offload: RankExecutor.offload,
+    Onload: RankExecutor.onload,
+    WeightSync: RankExecutor.weight_sync,
+    ReshardInPlace: RankExecutor.reshard_in_place,
+    ReleaseWeights: RankExecutor.release_weights,
+    Checkpoint: RankExecutor.checkpoint,
+}
 
 
 def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,

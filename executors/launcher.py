@@ -46,7 +46,7 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
     out = Path(out_dir)
     try:
         torch.set_num_threads(threads)
-        plan = load_plan(plan_path)
+        plan = load_plan(plan_path, check=False)  # the launcher checked it once, before any rank started
         assert plan.programs is not None
         runtime = Runtime.init(rank, world_size, plan.job.run.device, plan.programs.groups, local_rank)
         resume_state = load_checkpoint(Path(resume_from), weights=False) if resume_from else None

@@ -70,7 +70,7 @@ def execute_weight_sync(
     if data.rounds is None:
         raise RunError(f"the weight sync of {data.model} holds only its summary ({data.summary.num_buckets} "
                        "buckets), no rounds to run",
-                       fix="pass this rank's part of the plan (compiler/weight_sync.py:policy_sync_record)")
+                       fix="pass this rank's part of the plan (graphrl.ddma.rank_sync_record)")
     program = _rank_sync(data, rank, src_shards, dst_shards, wire_dtype)
     src = {name: tensor for name, (tensor, _) in src_shards.items()}
     dst = {name: tensor for name, (tensor, _) in dst_shards.items()}

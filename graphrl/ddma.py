@@ -29,6 +29,7 @@ Choices, all deterministic:
 
 from __future__ import annotations
 
+import functools
 import gc
 import heapq
 from collections import defaultdict, deque
@@ -39,6 +40,9 @@ from math import ceil, prod
 from operator import itemgetter
 from typing import Any, Iterator, Sequence
 
+from graphrl.schemas.job import PRECISION_BYTES
+from graphrl.schemas.model import ModelDims
+from graphrl.schemas.plan import Plan
 from graphrl.schemas.sharding import (
     LayoutFn,
     Mesh,
@@ -49,8 +53,14 @@ from graphrl.schemas.sharding import (
     pp_stage,
     region_of,
     region_size,
+    llama_layout_on,
+    llama_params,
 )
-from graphrl.errors import JobError, PlacementError
+from graphrl.schemas.weightsync import Bucket as RecordBucket
+from graphrl.schemas.weightsync import LocalCopy as RecordLocalCopy
+from graphrl.schemas.weightsync import Slice as RecordSlice
+from graphrl.schemas.weightsync import WeightSyncRecord, WeightSyncSummary
+from graphrl.errors import JobError, PlacementError, RunError
 
 
 @dataclass(frozen=True, slots=True)
@@ -664,3 +674,64 @@ def plan_summary(plan: WeightSyncPlan) -> dict[str, Any]:
         "src_bytes_per_elem": plan.src_bytes_per_elem,
         "dst_bytes_per_elem": plan.dst_bytes_per_elem,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's records
+
+
+# A policy's weights cross links in bf16 whatever the destination stores (it quantizes on receipt).
+WIRE_BYTES_PER_ELEM = 2
+DDMA_BUCKET_BYTES = 256 << 20
+# DDMA plans with more buckets than this keep only their summary in the plan file (a 405B plan has
+# ~10^5 buckets); executors of such plans plan their own part with the same deterministic planner.
+MAX_STORED_BUCKETS = 20_000
+
+
+def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
+                    bucket_bytes: int = DDMA_BUCKET_BYTES) -> WeightSyncPlan:
+    """The DDMA plan of a Llama model's trainer -> generator copy, from the model's sharding description."""
+    return plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
+                            dst_layout=llama_layout_on(dst), src_bytes_per_elem=WIRE_BYTES_PER_ELEM,
+                            dst_bytes_per_elem=PRECISION_BYTES[precision], bucket_bytes=bucket_bytes)
+
+
+def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicted_s: float,
+                rank: int | None = None) -> WeightSyncRecord:
+    """The record a plan stores of `plan`: its rounds when they hold at most `MAX_STORED_BUCKETS`
+    buckets, else its summary only. With `rank`, the rounds whatever their number, but only the buckets
+    and local copies `rank` takes part in (each round in place, maybe empty): what that rank's executor
+    runs, in memory that does not grow with the mesh. The summary always describes the whole sync."""
+    stored = rank is not None or plan.num_buckets <= MAX_STORED_BUCKETS
+
+    def slices(bucket: Any) -> tuple[RecordSlice, ...]:
+        return tuple(RecordSlice(s.param, tuple(tuple(x) for x in s.src_region)) for s in bucket.slices)
+
+    def mine(*ranks: int) -> bool:
+        return rank is None or rank in ranks
+
+    return WeightSyncRecord(
+        model=model, src=src, dst=dst,
+        src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
+        bucket_bytes=plan.bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=predicted_s,
+        rounds=[[RecordBucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets if mine(b.src, b.dst)]
+                for r in plan.rounds] if stored else None,
+        local=[RecordLocalCopy(b.src, b.num_bytes, slices(b)) for b in plan.local_copies if mine(b.src)] if stored else [],
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_record(dims: ModelDims, model: str, src: Mesh, dst: Mesh, precision: str, rank: int) -> WeightSyncRecord:
+    return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank)
+
+
+def rank_sync_record(plan: Plan, model: str, rank: int) -> WeightSyncRecord:
+    """`rank`'s part of `model`'s trainer -> generator DDMA plan on the plan's chosen layout, exactly as the
+    compiler plans it (the planner is deterministic). What executors run where the plan holds no rounds:
+    a colocated tensor-parallel generator, or a disaggregated sync whose rounds were too many to store."""
+    by_kind = {p.kind: p for p in plan.chosen.placements if p.model == model and p.kind in ("train", "generate")}
+    if set(by_kind) != {"train", "generate"}:
+        raise RunError(f"the plan has no trainer and generator of {model} to sync weights between")
+    train, gen = by_kind["train"], by_kind["generate"]
+    return _rank_record(plan.job.models[model].resolved_dims(), model, plan.chosen.role_mesh(train),
+                        plan.chosen.role_mesh(gen), gen.precision, rank)

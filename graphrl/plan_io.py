@@ -40,7 +40,8 @@ def plan_from_bytes(data: bytes, source: str = "<bytes>", *, check: bool = True)
                             fix="write one with `graphrl compile JOB -o plan.msgpack`")
     if obj[MAGIC] != PLAN_FORMAT_VERSION:
         older = {1: " (version 1 plans unrolled every step; this graphrl writes periodic programs)",
-                 2: " (version 2 plans stored meshes as first device and count; this graphrl stores their devices)"
+                 2: " (version 2 plans stored meshes as first device and count; this graphrl stores their devices)",
+                 3: " (version 3 plans left the executors to resolve the job graph; this graphrl binds it in the plan)"
                  }.get(obj[MAGIC], "")
         raise PlanFileError(f"plan format version {obj[MAGIC]} is not supported (this graphrl reads "
                             f"{PLAN_FORMAT_VERSION}){older}", location=where, fix="recompile the job with this graphrl")
@@ -90,10 +91,11 @@ def save_plan(plan: Plan, path: str | Path) -> None:
         raise
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(path: str | Path, *, check: bool = True) -> Plan:
+    """The plan in file `path`; `check` also proves its programs run to the end (`plan_from_bytes`)."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise PlanFileError(f"cannot read plan file {path}: {exc.strerror}", fix="check the path") from None
-    return plan_from_bytes(data, str(path))
+    return plan_from_bytes(data, str(path), check=check)

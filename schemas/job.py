@@ -21,6 +21,8 @@ _NAME = re.compile(NAME_PATTERN)
 _REF = re.compile(r"^(?P<node>[A-Za-z_][A-Za-z0-9_\-]*)\.(?P<port>[A-Za-z_][A-Za-z0-9_]*)$")
 
 Precision = Literal["bf16", "fp8"]
+PRECISION_BYTES: dict[str, int] = {"bf16": 2, "fp8": 1}
+"""Bytes per weight of the block linears a role stores at each precision."""
 Sharding = Literal["none", "zero1", "zero2", "fsdp"]
 
 

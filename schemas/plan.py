@@ -15,13 +15,14 @@ from pydantic import Field, PlainSerializer, PlainValidator
 from graphrl.schemas.base import Frozen
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import JobSpec, Precision, Sharding
+from graphrl.schemas.job import JobSpec, NodeSpec, Precision, Sharding
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.program import Programs, programs_json_schema
 
+# 4: the plan binds every node and role for the executors (`RunBindings`); WeightSync names its roles.
 # 3: meshes are one type (devices and named axes); weight syncs typed records.
 # 2: programs are periodic (prologue, one-step body, epilogue per rank); 1 unrolled every step.
-PLAN_FORMAT_VERSION = 3
+PLAN_FORMAT_VERSION = 4
 
 RoleKind = Literal["train", "generate", "infer"]
 
@@ -138,6 +139,42 @@ class Layout(Frozen):
         return self.mesh(placement.mesh).view(dp=placement.dp, fsdp=placement.fsdp, tp=placement.tp, pp=placement.pp)
 
 
+class PortSource(Frozen):
+    """The producer of one input port: a node's output port."""
+
+    node: str = Field(description="Producing node.")
+    port: str = Field(description="Its output port.")
+    op: str = Field(description="The producing node's op (a `generate` produces the step's rollouts).")
+
+
+class NodeBinding(Frozen):
+    """What a rank needs to run one node of the job: its settings and where each of its inputs comes from."""
+
+    spec: NodeSpec = Field(description="The node's settings as the job states them (reward rules, loss, lr, ...).")
+    inputs: dict[str, PortSource] = Field(default_factory=dict, description="Input port -> its producer.")
+
+
+class RoleBinding(Frozen):
+    """What a rank needs to build one role's module."""
+
+    model: str = Field(description="The model whose weights the role holds.")
+    head: Literal["lm", "value"] = Field(
+        description="lm: the language-model head (policy, reference); value: a scalar head (critic, reward model).")
+    lr: float | None = Field(default=None, gt=0, description="A trained role's learning rate (its train node's, "
+                                                               "else algorithm.lr); None for a frozen role.")
+
+
+class RunBindings(Frozen):
+    """The job as the executors run it, resolved by the compiler: no rank rebuilds the job graph."""
+
+    nodes: dict[str, NodeBinding] = Field(description="Every node by name.")
+    roles: dict[str, RoleBinding] = Field(description="Every placed role by name.")
+    generate_node: str = Field(description="The node that samples the rollouts.")
+    dataset_node: str = Field(description="The node that yields the prompts.")
+    policy_model: str = Field(description="The model the rollouts are sampled from (its training role's name).")
+    last_train_node: str = Field(description="The step's last update, after which its data is no longer read.")
+
+
 class Plan(Frozen):
     """The compiler's output."""
 
@@ -150,6 +187,7 @@ class Plan(Frozen):
     candidates_considered: int = Field(ge=0, description="Number of layouts evaluated by the search.")
     candidates: list[CandidateSummary] = Field(default_factory=list, description="Best and rejected candidates.")
     programs: TypedPrograms | None = Field(default=None, description="Per-rank periodic programs, once scheduled.")
+    bindings: RunBindings | None = Field(default=None, description="Nodes and roles as the executors run them.")
 
     def preview_dict(self) -> dict[str, Any]:
         """The documented JSON preview (`graphrl compile --plan --format json`)."""

@@ -45,8 +45,8 @@ FIELD_DOCS: dict[str, str] = {
     "state": "which of params, grads, optimizer it moves between device and host",
     "model": "the model whose weights are synced",
     "transfer": "the weight-sync plan's id in Programs.weight_syncs",
-    "src_role": "role the weights are gathered from",
-    "dst_role": "role the gathered weights are for",
+    "src_role": "role the weights are copied from (the trainer)",
+    "dst_role": "role the weights are copied into (the generator)",
 }
 
 _STRICT = ConfigDict(strict=True)
@@ -209,6 +209,8 @@ class WeightSync:
     model: ModelName
     version: Version
     transfer: Transfer
+    src_role: SrcRole
+    dst_role: DstRole
     group: Group
     kind: ClassVar[str] = "collective"
 
@@ -216,7 +218,7 @@ class WeightSync:
 @instruction
 class ReshardInPlace:
     """Colocated: fill the generator's weights from the trainer's shards on the same devices (a
-    tensor-parallel generator's by the DDMA planner, `compiler/weight_sync.py:policy_sync_record`)."""
+    tensor-parallel generator's by the DDMA planner, `graphrl/ddma.py:rank_sync_record`)."""
 
     model: ModelName
     version: Version
@@ -248,6 +250,43 @@ Instruction = Union[Generate, Logprob, Value, Reward, Advantage, TrainStep, Send
 INSTRUCTION_TYPES: dict[str, type] = {t.__name__: t for t in Instruction.__args__}  # type: ignore[attr-defined]
 _NAMES: dict[type, tuple[str, ...]] = {t: tuple(f.name for f in fields(t)) for t in INSTRUCTION_TYPES.values()}
 """Each kind's field names, in order (the order of its values on disk)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KindTraits:
+    """What an instruction kind does that every reader of a program must agree on: the executors, the
+    simulator and `verify` (their own parts of its meaning, its handler, duration and memory effect,
+    live with each of them)."""
+
+    weights: Literal["", "sets", "uses", "produces"] = ""
+    """Its part in weight versions: sets the version a rank holds, uses it, or produces a new one."""
+    p2p: Literal["", "send", "recv"] = ""
+    """Its side of a point-to-point pair: a "send" meets the "recv" with the same tag, and each waits
+    for the other."""
+    moves: Literal[-1, 0, 1] = 0
+    """-1 moves state off the device, +1 back onto it (a loop body's moves must cancel)."""
+    rollout: bool = False
+    """Makes or moves a step's rollouts (a resumed run skips those the checkpoint holds)."""
+
+
+TRAITS: dict[type, KindTraits] = {
+    Generate: KindTraits(weights="uses", rollout=True),
+    Logprob: KindTraits(),
+    Value: KindTraits(),
+    Reward: KindTraits(),
+    Advantage: KindTraits(),
+    TrainStep: KindTraits(weights="produces"),
+    Send: KindTraits(p2p="send", rollout=True),
+    Recv: KindTraits(p2p="recv", rollout=True),
+    Offload: KindTraits(moves=-1),
+    Onload: KindTraits(moves=1),
+    WeightSync: KindTraits(weights="sets"),
+    ReshardInPlace: KindTraits(weights="sets"),
+    ReleaseWeights: KindTraits(),
+    Checkpoint: KindTraits(),
+}
+"""Instruction kind -> its traits; one entry per kind (checked below)."""
+assert set(TRAITS) == set(INSTRUCTION_TYPES.values()), "every instruction kind needs its traits"
 
 
 def encode(ins: Instruction) -> list[Any]:

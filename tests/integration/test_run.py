@@ -59,6 +59,7 @@ def test_async_disaggregated_run_uses_the_planned_stale_versions(tmp_path):
 def test_a_plan_without_stored_sync_rounds_replans_them_and_runs_the_same(tmp_path, monkeypatch):
     """A DDMA plan with more buckets than a plan stores keeps only its summary; each rank replans the
     rounds when the run starts, checks them against the summary, and the run is the same."""
+    from graphrl import ddma
     from graphrl.compiler import weight_sync
     from graphrl.plan_io import load_plan
 
@@ -66,7 +67,7 @@ def test_a_plan_without_stored_sync_rounds_replans_them_and_runs_the_same(tmp_pa
     out = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "stored")])
     assert out.exit_code == 0, out.output
     weight_sync.ddma_record.cache_clear()
-    monkeypatch.setattr(weight_sync, "MAX_STORED_BUCKETS", 0)
+    monkeypatch.setattr(ddma, "MAX_STORED_BUCKETS", 0)
     try:
         out = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "replanned")])
     finally:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphrl.compiler import weight_sync
+from graphrl.ddma import DDMA_BUCKET_BYTES
 from graphrl.schemas.sharding import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.errors import RunError
 from graphrl.executors.models.llama import Llama
@@ -54,7 +55,7 @@ class Case:
     src: Mesh  # trainer: dp x fsdp x tp x pp
     dst: Mesh  # generator: dp x tp
     dst_dtype: torch.dtype = torch.float32
-    bucket_bytes: int = weight_sync.DDMA_BUCKET_BYTES
+    bucket_bytes: int = DDMA_BUCKET_BYTES
     module: bool = False  # whole Llama modules through run_weight_sync instead of shards
     dims: ModelDims = DIMS
     has_local: bool = False  # the plan keeps some bytes rank-locally

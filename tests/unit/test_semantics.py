@@ -1,5 +1,5 @@
-"""The one table of instruction semantics: complete, consistent with the executor, and what the simulator
-and `verify` read."""
+"""The tables of instruction meaning: the shared traits, the compiler's semantics and the executor's
+handlers are complete and consistent, and what the simulator and `verify` read."""
 
 from __future__ import annotations
 
@@ -10,28 +10,27 @@ import pytest
 from graphrl.compiler.compile import compile_graph
 from graphrl.compiler.semantics import SEMANTICS, STATE, Costs, Ledger
 from graphrl.errors import VerifyError
-from graphrl.executors.executor import RankExecutor
+from graphrl.executors.executor import HANDLERS
 from graphrl.loader import job_cluster, load_job
 from graphrl.schemas.plan import MemoryBytes, RolePlacement
-from graphrl.schemas.program import (INSTRUCTION_TYPES, CostKey, Generate, Offload, Onload, ReleaseWeights,
-                                     ReshardInPlace, Send, TrainStep)
+from graphrl.schemas.program import (INSTRUCTION_TYPES, TRAITS, CostKey, Generate, Offload, Onload,
+                                     ReleaseWeights, ReshardInPlace, Send, TrainStep)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_every_instruction_kind_has_one_entry_and_the_executor_runs_it():
-    assert set(SEMANTICS) == set(INSTRUCTION_TYPES.values())
-    for kind, entry in SEMANTICS.items():
-        assert callable(getattr(RankExecutor, entry.handler, None)), f"{kind.__name__}: no RankExecutor.{entry.handler}"
-    handlers = [entry.handler for entry in SEMANTICS.values()]
-    assert len(handlers) == len(set(handlers)), "two kinds share an executor handler"
+def test_every_instruction_kind_has_traits_semantics_and_one_executor_handler():
+    kinds = set(INSTRUCTION_TYPES.values())
+    assert set(TRAITS) == kinds and set(SEMANTICS) == kinds and set(HANDLERS) == kinds
+    assert all(callable(h) for h in HANDLERS.values())
+    assert len(set(HANDLERS.values())) == len(HANDLERS), "two kinds share an executor handler"
 
 
 def test_point_to_point_sides_pair_up_and_moves_cancel():
-    sides = sorted(entry.p2p for entry in SEMANTICS.values() if entry.p2p)
+    sides = sorted(t.p2p for t in TRAITS.values() if t.p2p)
     assert sides == ["recv", "send"]
-    assert sorted(entry.moves for entry in SEMANTICS.values() if entry.moves) == [-1, 1]
-    assert [k for k, e in SEMANTICS.items() if e.weights == "produces"] == [TrainStep]
+    assert sorted(t.moves for t in TRAITS.values() if t.moves) == [-1, 1]
+    assert [k for k, t in TRAITS.items() if t.weights == "produces"] == [TrainStep]
 
 
 @pytest.mark.parametrize("name", ["grpo_tiny.yaml", "ppo_tiny.yaml", "aipo_async_tiny.yaml", "llama3_8b.yaml"])
@@ -44,10 +43,9 @@ def test_every_instruction_of_a_compiled_plan_has_a_predicted_duration(name):
     seen = set()
     for rank in range(programs.num_ranks):
         for ins in programs.rank_stream(rank):
-            entry = SEMANTICS[type(ins)]
             seen.add(type(ins))
-            if not entry.p2p:
-                assert entry.duration(ins, costs) >= 0.0
+            if not TRAITS[type(ins)].p2p:
+                assert SEMANTICS[type(ins)].duration(ins, costs) >= 0.0
     assert Generate in seen and TrainStep in seen
 
 

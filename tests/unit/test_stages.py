@@ -158,14 +158,14 @@ def test_a_colocated_tensor_parallel_generator_is_filled_by_the_ddma_planner() -
     executor plans them when the run starts), and that plan copies the weight matrices rank-locally and
     sends only the norms."""
     from graphrl.compiler.compile import compile_job
-    from graphrl.compiler.weight_sync import policy_sync_record
+    from graphrl.ddma import rank_sync_record
     from graphrl.schemas.program import ReshardInPlace
 
     job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2)
     plan = compile_job(job, job_cluster(job, None))
     assert plan.chosen.strategy == "colocated" and plan.programs.weight_syncs == {}
     assert any(isinstance(i, ReshardInPlace) for r in plan.programs.ranks for i in r.body)
-    record = policy_sync_record(plan, "policy", 1)
+    record = rank_sync_record(plan, "policy", 1)
     assert record.src.devices == record.dst.devices == (0, 1) and record.rounds is not None
     crossing = {s.param for r in record.rounds for b in r for s in b.slices}
     assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
@@ -177,14 +177,15 @@ def test_replanning_a_stored_weight_sync_gives_each_rank_its_part_of_the_same_re
     """What an executor relies on when a plan holds no rounds: the planner is deterministic, and a
     rank's part holds exactly the stored buckets and local copies that rank takes part in."""
     from graphrl.compiler.compile import compile_job
-    from graphrl.compiler.weight_sync import ddma_record, policy_sync_record
+    from graphrl.compiler.weight_sync import ddma_record
+    from graphrl.ddma import rank_sync_record
 
     job = load_job(str(EXAMPLES / "aipo_async_tiny.yaml"))
     plan = compile_job(job, job_cluster(job, None))
     (stored,) = plan.programs.weight_syncs.values()
     ddma_record.cache_clear()
     for rank in range(plan.cluster.num_devices):
-        part = policy_sync_record(plan, "policy", rank)
+        part = rank_sync_record(plan, "policy", rank)
         assert part.summary == stored.summary and part.src == stored.src and part.dst == stored.dst
         assert part.rounds == [[b for b in r if rank in (b.src, b.dst)] for r in stored.rounds]
         assert part.local == [c for c in stored.local if c.rank == rank]
