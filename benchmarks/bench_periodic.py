@@ -23,6 +23,8 @@ from pathlib import Path
 os.environ.setdefault("GRAPHRL_CALIBRATION", "none")
 
 from graphrl.compiler.compile import compile_graph, compile_job  # noqa: E402
+from graphrl.compiler.pipeline import placed_programs  # noqa: E402
+from graphrl.compiler.schedule import ProgramSettings  # noqa: E402
 from graphrl.compiler.simreport import SIMULATED_ITERATIONS  # noqa: E402
 from graphrl.compiler.simulate import run_programs  # noqa: E402
 from graphrl.loader import job_cluster, load_job  # noqa: E402
@@ -112,10 +114,10 @@ def agreement_table() -> bool:
         job = load_job(ROOT / "examples" / f"{name}.yaml")
         cluster = job_cluster(job, None)
         graph = compile_graph(job, cluster, steps=steps)
-        pl = graph["placement"]
-        periodic = graph["programs"]
+        pl = graph.placement
+        periodic = graph.programs
         window = periodic.with_steps(periodic.window_steps(SIMULATED_ITERATIONS))
-        unrolled = pl.programs(graph, steps=steps, periodic=False)
+        unrolled = placed_programs(graph, ProgramSettings(steps, periodic=False))
         sim = {}
         for label, programs in (("periodic", window), ("unrolled", unrolled)):
             sim[label] = run_programs(programs, hw=pl.hardware, devices_per_node=pl.devices_per_node, timed=True).step_time_s

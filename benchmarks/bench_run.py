@@ -69,7 +69,7 @@ def predict(job: LoadedJob, cluster: str, hw: HardwareSpec | None = None):  # no
         spec = spec.model_copy(update={"hardware": hw})
     graph = compile_graph(job, spec)
     plan = plan_of(graph, spec)
-    placed = graph["placement"]
+    placed = graph.placement
     return plan, run_programs(plan.programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True).step_time_s
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 os.environ.setdefault("GRAPHRL_CALIBRATION", "none")
 
 from graphrl.compiler.compile import compile_graph  # noqa: E402
+from graphrl.compiler.pipeline import placed_programs  # noqa: E402
+from graphrl.compiler.schedule import ProgramSettings  # noqa: E402
 from graphrl.compiler.simulate import run_programs  # noqa: E402
 from graphrl.loader import job_cluster, load_job  # noqa: E402
 
@@ -30,8 +32,8 @@ def main() -> int:
     t = time.perf_counter()
     graph = compile_graph(job, cluster, steps=100)
     compile_s = time.perf_counter() - t
-    programs = graph["programs"]
-    placed = graph["placement"]
+    programs = graph.programs
+    placed = graph.placement
     instructions = sum(len(s) for s in programs.streams)
     t = time.perf_counter()
     run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True)
@@ -46,14 +48,14 @@ def main() -> int:
     for name in ("llama3_8b", "llama3_70b", "llama3_405b"):
         job = load_job(ROOT / "examples" / f"{name}.yaml")
         graph = compile_graph(job, job_cluster(job, None), steps=20)
-        pl = graph["placement"]
+        pl = graph.placement
 
         def simulate(programs):  # noqa: ANN001, ANN202
             return run_programs(programs, hw=pl.hardware, devices_per_node=pl.devices_per_node, timed=True).step_time_s
 
-        chosen = simulate(graph["programs"])
-        baseline = simulate(pl.programs(graph, baseline=True, steps=20, mode="sync"))
-        sync = simulate(pl.programs(graph, steps=20, mode="sync"))
+        chosen = simulate(graph.programs)
+        baseline = simulate(placed_programs(graph, ProgramSettings(20, mode="sync"), baseline=True))
+        sync = simulate(placed_programs(graph, ProgramSettings(20, mode="sync")))
         print(f"{name:<12} {chosen:14.1f} {baseline:16.1f} {baseline / chosen:8.2f}x  {sync:9.1f} {chosen:9.1f}  "
               f"{pl.chosen.label}")
     return 0 if ok else 1

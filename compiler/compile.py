@@ -5,45 +5,61 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from graphrl.errors import GraphRLError
-from graphrl.ir import JobGraph, build_graph
+from graphrl.ir import build_graph
 from graphrl.loader import LoadedJob
 from graphrl.schemas.cluster import ClusterSpec
+from graphrl.schemas.job import JobSpec
 from graphrl.schemas.plan import Plan
 
 from graphrl.compiler.bind import run_bindings
 from graphrl.compiler.hardware import resolve_hardware
-from graphrl.compiler.placed import PlacedLayout
 from graphrl.compiler.passes import CompileContext, run_passes
 from graphrl.compiler.pipeline import PIPELINE
+from graphrl.compiler.schedule import ProgramSettings
+from graphrl.compiler.state import Compilation, need
 
 
 def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **options: Any) -> Plan:
     """Run the whole pipeline; user errors are located in the job file."""
-    graph = compile_graph(job, cluster, check=check, **options)
-    return plan_of(graph, cluster)
+    return plan_of(compile_graph(job, cluster, check=check, **options), cluster)
 
 
-def plan_of(graph: JobGraph, cluster: ClusterSpec) -> Plan:
-    placed: PlacedLayout = graph["placement"]
+def plan_of(state: Compilation, cluster: ClusterSpec) -> Plan:
+    placed = need(state.placement, "placement")
     return Plan(
-        job=graph.job, cluster=cluster, hardware=placed.hardware, chosen=placed.chosen,
+        job=state.job, cluster=cluster, hardware=placed.hardware, chosen=placed.chosen,
         baseline=placed.baseline, candidates_considered=placed.candidates_considered,
-        candidates=list(placed.candidates), programs=graph.attrs.get("programs"),
-        bindings=run_bindings(graph, placed.chosen),
+        candidates=list(placed.candidates), programs=state.programs,
+        bindings=run_bindings(state.graph, placed.chosen),
     )
 
 
-def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False,
-                  progress: Callable[[str], None] | None = None, **options: Any) -> JobGraph:
-    """The final graph of the pipeline, with every pass's attributes (placement, programs ...).
-    `progress` hears the name of each pass as it starts."""
+def start(job: JobSpec) -> Compilation:
+    """The state the pipeline starts from: the job's graph, programs for the job's own schedule."""
+    return Compilation(build_graph(job), ProgramSettings.of(job))
+
+
+def with_steps(job: JobSpec, steps: int | None) -> JobSpec:
+    """`job` with `schedule.steps` set (the one route of a step count: the plan records it)."""
+    if steps is None:
+        return job
+    return JobSpec.model_validate({**job.model_dump(), "schedule": {**job.schedule.model_dump(), "steps": steps}})
+
+
+def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, steps: int | None = None,
+                  progress: Callable[[str], None] | None = None, **options: Any) -> Compilation:
+    """The pipeline's final state, with every pass's result (placement, programs ...). `steps` sets
+    `schedule.steps`; `progress` hears the name of each pass as it starts."""
     hardware = resolve_hardware(cluster)
-    ctx = CompileContext(job.spec, cluster, hardware, dict(options))
+    spec = with_steps(job.spec, steps)
+    ctx = CompileContext(spec, cluster, hardware, dict(options))
     on_start = (lambda p: progress(p.name)) if progress is not None else None
     try:
-        graph = run_passes(build_graph(job.spec), ctx, PIPELINE, check=check, on_start=on_start)
+        return run_passes(start(spec), ctx, PIPELINE, check=check, on_start=on_start)
     except GraphRLError as exc:
         if exc.path and exc.location is None:
             exc.location = job.source.locate(exc.path)
         raise
-    return graph
+
+
+__all__ = ["compile_graph", "compile_job", "plan_of", "start", "with_steps"]

@@ -10,17 +10,13 @@ attached here: placement's for the layout, and the weight-sync pass's for a DDMA
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
-from graphrl.ir import JobGraph
 from graphrl.schemas.program import CostKey, Instruction, Programs, RankProgram, shift
 
-from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.schedule import Schedule
 from graphrl.compiler.weight_sync import WeightSyncPlan
 
-if TYPE_CHECKING:
-    from graphrl.compiler.placed import PlacedLayout
 
 
 def lower_schedule(schedule: Schedule, sync: WeightSyncPlan, durations: dict[CostKey, float]) -> Programs:
@@ -102,13 +98,4 @@ def check_lowered(programs: Programs, schedule: Schedule) -> list[str]:
 
 
 
-@compiler_pass("lower", requires=("placement", "weight_sync", "schedule"), ensures=("programs",),
-               spec=lambda graph: check_lowered(graph["programs"], graph["schedule"]))
-def lower(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """Each rank's typed program: prologue, periodic body, epilogue, with predicted durations."""
-    placed: PlacedLayout = graph["placement"]
-    sync = graph["weight_sync"]
-    durations = predicted_durations(placed.durations, sync)
-    return graph.with_attr("programs", lower_schedule(graph["schedule"], sync, durations))
-
-__all__ = ["check_lowered", "lower", "lower_schedule", "predicted_durations"]
+__all__ = ["check_lowered", "lower_schedule", "predicted_durations"]

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
-from graphrl.ir import JobGraph
 from graphrl.schemas.plan import Layout
 
-from graphrl.compiler.passes import CompileContext, compiler_pass
 
-if TYPE_CHECKING:
-    from graphrl.compiler.placed import PlacedLayout
 
 STATE_KINDS = ("params", "grads", "optimizer")
 
@@ -66,16 +62,4 @@ def check_offload(plan: OffloadPlan, layout: Layout) -> list[str]:
     return problems
 
 
-
-def _spec(graph: JobGraph) -> list[str]:
-    return check_offload(graph["offload"], graph["placement"].chosen)
-
-
-@compiler_pass("offload", requires=("placement",), ensures=("offload",), spec=_spec)
-def offload(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """What each role moves off its devices between uses (weights, gradients, optimizer state)."""
-    placed: PlacedLayout = graph["placement"]
-    return graph.with_attr("offload", plan_offload(placed.chosen))
-
-
-__all__ = ["offload", "OffloadPlan", "RoleOffload", "STATE_KINDS", "check_offload", "plan_offload"]
+__all__ = ["OffloadPlan", "RoleOffload", "STATE_KINDS", "check_offload", "plan_offload"]

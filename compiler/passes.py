@@ -1,7 +1,8 @@
 """The pass contract and the runner.
 
-A pass is a plain function `(graph, ctx) -> graph` wrapped with the facts (graph attribute names) it
-requires and ensures, and optionally its stage's spec: a check of what the pass produced (every
+A pass is a plain function `(state, ctx) -> state` over the compiler's typed state (`Compilation`),
+wrapped with the results (field names) it requires and ensures, and optionally its stage's spec: a
+check of what the pass produced (every
 trainer rank gets its responses exactly once, no rank sends twice in a DDMA round, ...). The runner
 checks requires -> call -> ensures; when asked (tests, `graphrl --debug`) it also runs the graph
 invariants and the pass's spec between passes. A failure is reported with the pass's name and the
@@ -23,8 +24,10 @@ from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import JobSpec
 
-PassFn = Callable[[JobGraph, "CompileContext"], JobGraph]
-SpecFn = Callable[[JobGraph], list[str]]
+from graphrl.compiler.state import Compilation
+
+PassFn = Callable[["Compilation", "CompileContext"], "Compilation"]
+SpecFn = Callable[["Compilation"], list[str]]
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Pass:
 
 def compiler_pass(name: str, *, requires: Sequence[str] = (), ensures: Sequence[str] = (),
                   spec: SpecFn | None = None) -> Callable[[PassFn], Pass]:
-    """Decorate a `(graph, ctx) -> graph` function as a pass with its contract and its stage's spec."""
+    """Decorate a `(state, ctx) -> state` function as a pass with its contract and its stage's spec."""
 
     def wrap(fn: PassFn) -> Pass:
         return Pass(name, fn, tuple(requires), tuple(ensures), (fn.__doc__ or "").strip().split("\n")[0], spec)
@@ -128,48 +131,46 @@ def check_invariants(graph: JobGraph) -> list[str]:
 
 
 def run_passes(
-    graph: JobGraph,
+    state: Compilation,
     ctx: CompileContext,
     passes: Sequence[Pass],
     *,
     check: bool = False,
-    on_pass: Callable[[Pass, JobGraph], None] | None = None,
+    on_pass: Callable[[Pass, Compilation], None] | None = None,
     on_start: Callable[[Pass], None] | None = None,
-) -> JobGraph:
-    """Run `passes` in order, enforcing each contract; `check` runs the invariants between passes
+) -> Compilation:
+    """Run `passes` in order, enforcing each contract; `check` runs the graph invariants between passes
     and each pass's stage spec after it. `on_start` hears of each pass before it runs (a progress
     line), `on_pass` after."""
     done: list[str] = []
     for p in passes:
         if on_start is not None:
             on_start(p)
-        missing = [fact for fact in p.requires if not graph.has(fact)]
+        missing = [fact for fact in p.requires if not state.has(fact)]
         if missing:
             raise PassFailure(p.name, done, f"requires {', '.join(missing)}, which no earlier pass ensured")
         try:
-            result = p.fn(graph, ctx)
+            result = p.fn(state, ctx)
         except GraphRLError:
             raise
         except InternalError:
             raise
         except Exception as exc:  # a bug in the pass: keep the pipeline position in the report
             raise PassFailure(p.name, done, f"{type(exc).__name__}: {exc}") from exc
-        if not isinstance(result, JobGraph):
-            raise PassFailure(p.name, done, f"returned {type(result).__name__}, not a JobGraph")
-        if result is graph and p.ensures:
-            raise PassFailure(p.name, done, "returned its input unchanged although it ensures facts")
+        if not isinstance(result, Compilation):
+            raise PassFailure(p.name, done, f"returned {type(result).__name__}, not a Compilation")
         absent = [fact for fact in p.ensures if not result.has(fact)]
         if absent:
             raise PassFailure(p.name, done, f"did not ensure {', '.join(absent)}")
         if check:
-            problems = check_invariants(result) + (p.spec(result) if p.spec is not None else [])
+            problems = check_invariants(result.graph) + (p.spec(result) if p.spec is not None else [])
             if problems:
                 raise PassFailure(p.name, done, "; ".join(problems))
-        graph = result
+        state = result
         done.append(p.name)
         if on_pass is not None:
-            on_pass(p, graph)
-    return graph
+            on_pass(p, state)
+    return state
 
 
 __all__ = [

@@ -1,38 +1,185 @@
 """The compiler pipeline: one flat, ordered list of passes. Read it top to bottom.
 
-Each entry is a `Pass` with its contract and its stage's spec; `run_passes` enforces the contracts,
-checks the specs between passes when asked (tests, `graphrl --debug`), and reports a failure with the
-pass's name and the passes before it.
+Each pass is a small function over the compiler's typed state (`Compilation`): it reads the results it
+requires, calls its stage (the modules beside this one plan, they never call each other's passes) and
+returns the state with its own result. `run_passes` enforces the contracts, checks each stage's spec
+between passes when asked (tests, `graphrl --debug`), and reports a failure with the pass's name and
+the passes before it. This file is the only place passes are composed: the placement refinement runs
+the pipeline's own program passes (`PROGRAM_PASSES`) on its best candidates.
 """
 
 from __future__ import annotations
 
-from graphrl.compiler.lower import lower
-from graphrl.compiler.offload import offload
-from graphrl.compiler.passes import Pass
-from graphrl.compiler.place import annotate_costs, place
-from graphrl.compiler.reshard import reshard
-from graphrl.compiler.schedule import schedule
+from dataclasses import replace
+from typing import Mapping
+
+from graphrl.schemas.plan import Layout
+from graphrl.schemas.program import CostKey, Programs
+
+from graphrl.compiler.lower import check_lowered, lower_schedule, predicted_durations
+from graphrl.compiler.offload import check_offload, plan_offload
+from graphrl.compiler.passes import CompileContext, Pass, compiler_pass, run_passes
+from graphrl.compiler.place import check_placement, place_job
+from graphrl.compiler.reshard import check_reshard, plan_reshard
+from graphrl.compiler.schedule import ProgramSettings, build_schedule, check_schedule, effective_mode
+from graphrl.compiler.simulate import run_programs
+from graphrl.compiler.state import Compilation, Verified, need
 from graphrl.compiler.typecheck import typecheck
-from graphrl.compiler.verify import verify
-from graphrl.compiler.weight_sync import weight_sync
+from graphrl.compiler.verify import verify_programs
+from graphrl.compiler.weight_sync import check_weight_sync, plan_policy_sync
+
+# Steps of the programs the placement refinement simulates per candidate (enough for an asynchronous
+# pipeline to reach its steady state).
+SIMULATE_RANKING_STEPS = 6
+
+
+@compiler_pass("typecheck", ensures=("types",))
+def typecheck_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """Ports, schemas, symbolic shapes, producers and references of the job graph."""
+    return replace(s, graph=typecheck(s.graph, ctx.cluster))
+
+
+@compiler_pass("placement", requires=("types",), ensures=("placement",),
+               spec=lambda s: check_placement(need(s.placement, "placement")))
+def placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """Meshes and layouts per role; drops what does not fit; ranks by the analytical step time."""
+    assert ctx.cluster is not None and ctx.hardware is not None
+    placed = place_job(s.graph, ctx.cluster, ctx.hardware, exhaustive=bool(ctx.options.get("exhaustive")),
+                       refine=not ctx.options.get("analytical_only"))
+    return replace(s, placement=placed)
+
+
+@compiler_pass("offload", requires=("placement",), ensures=("offload",),
+               spec=lambda s: check_offload(need(s.offload, "offload"), need(s.placement, "placement").chosen))
+def offload_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """What each role moves off its devices between uses (weights, gradients, optimizer state)."""
+    return replace(s, offload=plan_offload(need(s.placement, "placement").chosen))
+
+
+def _check_reshard(s: Compilation) -> list[str]:
+    train, gen = need(s.placement, "placement").meshes()
+    return check_reshard(need(s.reshard, "reshard"), gen, train)
+
+
+@compiler_pass("reshard", requires=("placement",), ensures=("reshard",), spec=_check_reshard)
+def reshard_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """Each step's responses, repartitioned from the generator replicas to the trainer's ranks."""
+    placed = need(s.placement, "placement")
+    train, gen = placed.meshes()
+    w = placed.shape.workload
+    return replace(s, reshard=plan_reshard(gen, train, w.responses, w.samples_per_prompt, w.seq_len))
+
+
+def _check_weight_sync(s: Compilation) -> list[str]:
+    placed = need(s.placement, "placement")
+    return check_weight_sync(need(s.weight_sync, "weight_sync"), placed.shape, placed.chosen)
+
+
+@compiler_pass("weight_sync", requires=("placement",), ensures=("weight_sync",), spec=_check_weight_sync)
+def weight_sync_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """How each new policy version reaches the generator: DDMA copy or in-place reshard."""
+    placed = need(s.placement, "placement")
+    return replace(s, weight_sync=plan_policy_sync(placed.shape, placed.chosen, placed.durations))
+
+
+@compiler_pass("schedule", requires=("placement", "offload", "reshard", "weight_sync"), ensures=("schedule",),
+               spec=lambda s: check_schedule(need(s.schedule, "schedule")))
+def schedule_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """The order of every rank's instructions: versions per step, syncs, reshards, offloads, checkpoints."""
+    placed = need(s.placement, "placement")
+    return replace(s, schedule=build_schedule(s.graph, placed.shape, placed.chosen, need(s.offload, "offload"),
+                                              need(s.reshard, "reshard"), need(s.weight_sync, "weight_sync"),
+                                              s.settings))
+
+
+@compiler_pass("lower", requires=("placement", "weight_sync", "schedule"), ensures=("programs",),
+               spec=lambda s: check_lowered(need(s.programs, "programs"), need(s.schedule, "schedule")))
+def lower_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """Each rank's typed program: prologue, periodic body, epilogue, with predicted durations."""
+    sync = need(s.weight_sync, "weight_sync")
+    durations = predicted_durations(need(s.placement, "placement").durations, sync)
+    return replace(s, programs=lower_schedule(need(s.schedule, "schedule"), sync, durations))
+
+
+# The passes that turn a placed layout into its programs: the pipeline runs them on the chosen layout,
+# and the placement refinement, the baseline and `graphrl simulate` on other layouts, lengths and modes.
+PROGRAM_PASSES: tuple[Pass, ...] = (
+    offload_pass,     # what each role moves off its devices between uses, and how many bytes
+    reshard_pass,     # each step's responses: generator replicas -> trainer ranks, by prompt group
+    weight_sync_pass,  # each new policy version -> generator: DDMA rounds, or an in-place reshard
+    schedule_pass,    # every rank's instruction order: versions per step (sync/async), checkpoints
+    lower_pass,       # per-rank programs: prologue, one-step periodic body, epilogue; durations
+)
+
+
+def programs_on(s: Compilation, ctx: CompileContext, layout: Layout, durations: Mapping[CostKey, float],
+                settings: ProgramSettings) -> Programs:
+    """The job's programs on `layout` (with its predicted `durations`) for the run `settings` describes,
+    through the pipeline's own program passes."""
+    placed = replace(need(s.placement, "placement"), chosen=layout, durations=durations)
+    fresh = Compilation(s.graph, settings, placement=placed)
+    return need(run_passes(fresh, ctx, PROGRAM_PASSES).programs, "programs")
+
+
+def placed_programs(s: Compilation, settings: ProgramSettings, *, baseline: bool = False) -> Programs:
+    """The programs of the chosen layout (or of the baseline) for the run `settings` describes."""
+    placed = need(s.placement, "placement")
+    layout, durations = (placed.baseline, placed.baseline_durations) if baseline else (placed.chosen, placed.durations)
+    assert layout is not None and durations is not None, "no baseline layout for this job"
+    return programs_on(s, CompileContext(s.job), layout, durations, settings)
+
+
+def _simulated(layout: Layout, seconds: float) -> Layout:
+    estimate = layout.estimate.model_copy(update={"step_time_s": seconds, "method": "simulated"})
+    return layout.model_copy(update={"estimate": estimate})
+
+
+@compiler_pass("refine_placement", requires=("placement",), ensures=("placement",))
+def refine_placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """On a small cluster, choose among the best candidates by simulating their programs (the simulator
+    sees queueing and pipelining that the analytical estimate does not)."""
+    placed = need(s.placement, "placement")
+    if not placed.contenders:
+        return s
+    settings = ProgramSettings(steps=SIMULATE_RANKING_STEPS, checkpoint_every=0)
+
+    def step_time(layout: Layout, durations: Mapping[CostKey, float]) -> float:
+        programs = programs_on(s, ctx, layout, durations, settings)
+        return run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node,
+                            timed=True).step_time_s
+
+    scored = [(step_time(c.layout, c.durations), c.layout.label, c) for c in placed.contenders]
+    seconds, _, best = min(scored, key=lambda x: (x[0], x[1]))
+    baseline = placed.baseline
+    if baseline is not None and placed.baseline_durations is not None:
+        baseline = _simulated(baseline, step_time(baseline, placed.baseline_durations))
+    return replace(s, placement=replace(placed, ranking="simulated", chosen=_simulated(best.layout, seconds),
+                                        durations=best.durations, baseline=baseline, contenders=()))
+
+
+@compiler_pass("verify", requires=("programs", "placement"), ensures=("verified",))
+def verify_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """No deadlock, memory fits at every instruction, the staleness bound holds."""
+    placed = need(s.placement, "placement")
+    layout = placed.chosen
+    mode = s.settings.mode or effective_mode(s.job.schedule.mode, layout.strategy)
+    peak = verify_programs(need(s.programs, "programs"), layout, placed.usable_bytes, mode,
+                           s.job.schedule.max_staleness)
+    return replace(s, verified=Verified(peak_bytes=peak))
+
 
 # What `graphrl validate` runs: needs only the job.
 FRONT: tuple[Pass, ...] = (
-    typecheck,        # ports, schemas, symbolic shapes, one producer per input, acyclic data edges
+    typecheck_pass,   # ports, schemas, symbolic shapes, one producer per input, acyclic data edges
 )
 
 # What `graphrl compile` runs: needs the cluster and its hardware.
 PIPELINE: tuple[Pass, ...] = FRONT + (
-    annotate_costs,   # parameters and FLOPs per role and step
-    place,            # meshes and layouts per role; drops what does not fit; ranks by step time
-    offload,          # what each role moves off its devices between uses, and how many bytes
-    reshard,          # each step's responses: generator replicas -> trainer ranks, by prompt group
-    weight_sync,      # each new policy version -> generator: DDMA rounds, or an in-place gather
-    schedule,         # every rank's instruction order: versions per step (sync/async), checkpoints
-    lower,            # per-rank programs: prologue, one-step periodic body, epilogue; durations
-    verify,           # no deadlock, memory fits at every instruction, staleness bound holds
+    placement_pass,   # meshes and layouts per role; drops what does not fit; ranks by step time
+    refine_placement_pass,  # small clusters: re-rank the best candidates by simulating PROGRAM_PASSES' programs
+    *PROGRAM_PASSES,  # offload, reshard, weight_sync, schedule, lower (above)
+    verify_pass,      # no deadlock, memory fits at every instruction, staleness bound holds
 )
 
-# Placement preview only (no programs): `graphrl compile --plan` on jobs too large to unroll quickly.
-PLACEMENT_ONLY: tuple[Pass, ...] = PIPELINE[:3]
+
+__all__ = ["FRONT", "PIPELINE", "PROGRAM_PASSES", "SIMULATE_RANKING_STEPS", "placed_programs", "programs_on"]

@@ -1,7 +1,7 @@
 """`PlacedLayout`: the placement pass's result, one frozen typed record.
 
 Later passes (offload, reshard, weight sync, schedule, lower, verify), `plan_of`, `graphrl simulate`
-and the benchmarks read its fields instead of string keys, so a renamed or missing part of the result
+and the benchmarks read its fields, so a renamed or missing part of the result
 fails where it is read. The search's own records (`Problem`, `Evaluated`) stay inside placement: what
 the later passes need of them is here as the job's shape and each layout's predicted durations.
 """
@@ -11,14 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.plan import CandidateSummary, Layout
-from graphrl.schemas.program import CostKey, Programs
+from graphrl.schemas.program import CostKey
 
-from graphrl.compiler.programs import build_programs
 from graphrl.compiler.roles import JobShape
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A candidate layout the pipeline may simulate before choosing, with its predicted durations."""
+
+    layout: Layout
+    durations: Mapping[CostKey, float]
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,9 @@ class PlacedLayout:
     """Number of layouts the search evaluated."""
     candidates: tuple[CandidateSummary, ...]
     """Summaries of the best and the rejected candidates, best first."""
+    contenders: tuple[Contender, ...] = ()
+    """The analytically best candidates, best first, when the cluster is small enough to rank them by
+    simulating their programs (the pipeline's `refine_placement`); empty otherwise."""
 
     @property
     def hardware(self) -> HardwareSpec:
@@ -62,13 +71,5 @@ class PlacedLayout:
         """(the policy trainer's mesh, the generator's mesh or None) of the chosen layout."""
         return self.shape.policy_meshes(self.chosen)
 
-    def programs(self, graph: JobGraph, *, baseline: bool = False, steps: int, mode: str | None = None,
-                 checkpoint_every: int | None = None, periodic: bool = True) -> Programs:
-        """The job's programs on the chosen layout (or on the baseline): `build_programs` on this record."""
-        layout, durations = (self.baseline, self.baseline_durations) if baseline else (self.chosen, self.durations)
-        assert layout is not None and durations is not None, "no baseline layout for this job"
-        return build_programs(graph, self.shape, layout, durations, steps=steps, mode=mode,
-                              checkpoint_every=checkpoint_every, periodic=periodic)
 
-
-__all__ = ["PlacedLayout"]
+__all__ = ["Contender", "PlacedLayout"]

@@ -11,16 +11,12 @@ pending pair is always next on both of its ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from graphrl.ir import JobGraph
 from graphrl.schemas.mesh import Mesh
 
-from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.placement import ROLLOUT_BYTES_PER_TOKEN
 
-if TYPE_CHECKING:
-    from graphrl.compiler.placed import PlacedLayout
 
 
 def split_range(total: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
@@ -111,21 +107,4 @@ def check_reshard(plan: ReshardPlan, gen: Mesh | None, train: Mesh) -> list[str]
     return problems
 
 
-
-def _spec(graph: JobGraph) -> list[str]:
-    placed: PlacedLayout = graph["placement"]
-    train, gen = placed.meshes()
-    return check_reshard(graph["reshard"], gen, train)
-
-
-@compiler_pass("reshard", requires=("placement",), ensures=("reshard",), spec=_spec)
-def reshard(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """Each step's responses, repartitioned from the generator replicas to the trainer's ranks."""
-    placed: PlacedLayout = graph["placement"]
-    train, gen = placed.meshes()
-    w = placed.shape.workload
-    group = next(n for n in graph.nodes() if n.op == "generate").spec.samples_per_prompt
-    return graph.with_attr("reshard", plan_reshard(gen, train, w.responses, group, w.seq_len))
-
-
-__all__ = ["reshard", "ReshardPlan", "RolloutTransfer", "check_reshard", "plan_reshard", "split_range"]
+__all__ = ["ReshardPlan", "RolloutTransfer", "check_reshard", "plan_reshard", "split_range"]

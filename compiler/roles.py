@@ -129,7 +129,7 @@ def derive_workload(graph: JobGraph) -> Workload:
             path=("nodes",), fix="use one generate node (several samples per prompt via samples_per_prompt)",
         )
     gen = gens[0]
-    sizes = graph["types"][gen.name]
+    sizes = graph.node_sizes(gen.name)
     alg = graph.job.algorithm
     return Workload(
         prompts=sizes["B"], samples_per_prompt=gen.spec.samples_per_prompt, prompt_len=sizes["P"],

@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Literal, Mapping
 
 from graphrl.ir import JobGraph, OpNode
+from graphrl.schemas.job import JobSpec
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.program import (
@@ -42,13 +43,10 @@ from graphrl.schemas.program import (
 )
 
 from graphrl.compiler.offload import OffloadPlan
-from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.roles import JobShape
 from graphrl.compiler.reshard import ReshardPlan, split_range
 from graphrl.compiler.weight_sync import WeightSyncPlan
 
-if TYPE_CHECKING:
-    from graphrl.compiler.placed import PlacedLayout
 
 Streams = tuple[tuple[Instruction, ...], ...]
 
@@ -84,16 +82,41 @@ class Schedule:
     out); None: `transcripts[steps]` is the whole run."""
 
 
+@dataclass(frozen=True)
+class ProgramSettings:
+    """What a run's programs are built for, besides the layout: the job's schedule section by default;
+    the simulated ranking and `graphrl simulate` build other lengths and modes from the same passes."""
+
+    steps: int
+    """Steps of the run."""
+    mode: Literal["sync", "async"] | None = None
+    """The schedule's mode; None: the job's (`effective_mode` on the layout)."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints; None: the job's."""
+    periodic: bool = True
+    """One loop per rank; False unrolls the whole run (the reference the loop is checked against)."""
+
+    @classmethod
+    def of(cls, job: JobSpec) -> "ProgramSettings":
+        return cls(steps=job.schedule.steps)
+
+
+def effective_mode(job_mode: str, strategy: str) -> Literal["sync", "async"]:
+    """The schedule a layout runs: the job's mode when generation has devices of its own; a colocated
+    layout is synchronous (its roles take turns on the same devices)."""
+    return "async" if job_mode == "async" and strategy == "disaggregated" else "sync"
+
+
 def build_schedule(graph: JobGraph, shape: JobShape, layout: Layout, offload: OffloadPlan, reshard: ReshardPlan,
-                   sync: WeightSyncPlan, *, steps: int, mode: str | None = None,
-                   checkpoint_every: int | None = None, periodic: bool = True) -> Schedule:
-    """The schedule of the job's stages on `layout` for a run of `steps` steps."""
+                   sync: WeightSyncPlan, settings: ProgramSettings) -> Schedule:
+    """The schedule of the job's stages on `layout` for the run `settings` describes."""
     job = graph.job
-    mode = mode or (job.schedule.mode if layout.strategy == "disaggregated" else "sync")
+    mode = settings.mode or effective_mode(job.schedule.mode, layout.strategy)
     staleness = job.schedule.max_staleness
-    every = job.schedule.checkpoint_every if checkpoint_every is None else checkpoint_every
+    every = job.schedule.checkpoint_every if settings.checkpoint_every is None else settings.checkpoint_every
+    steps = settings.steps
     warm = fold_length(staleness if mode == "async" else 0)
-    lengths = (warm, warm + 1, warm + 2) if periodic and steps >= warm else (steps,)
+    lengths = (warm, warm + 1, warm + 2) if settings.periodic and steps >= warm else (steps,)
     groups = _groups(shape, layout)
     transcripts = {n: _transcript(graph, shape, layout, offload, reshard, sync, groups, n, mode, staleness)
                    for n in lengths}
@@ -274,14 +297,4 @@ def check_schedule(schedule: Schedule) -> list[str]:
 
 
 
-@compiler_pass("schedule", requires=("placement", "offload", "reshard", "weight_sync"), ensures=("schedule",),
-               spec=lambda graph: check_schedule(graph["schedule"]))
-def schedule(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """The order of every rank's instructions: versions per step, syncs, reshards, offloads, checkpoints."""
-    placed: PlacedLayout = graph["placement"]
-    steps = int(ctx.options.get("steps") or graph.job.schedule.steps)
-    result = build_schedule(graph, placed.shape, placed.chosen, graph["offload"], graph["reshard"],
-                            graph["weight_sync"], steps=steps, mode=ctx.options.get("mode"))
-    return graph.with_attr("schedule", result)
-
-__all__ = ["schedule", "Schedule", "build_schedule", "check_schedule", "fold_length", "version_for"]
+__all__ = ["ProgramSettings", "Schedule", "build_schedule", "effective_mode", "check_schedule", "fold_length", "version_for"]

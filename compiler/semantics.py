@@ -7,7 +7,7 @@ Every kind of `graphrl.schemas.program` has one `Semantics` entry here:
   part (which instruction sets the weight version a rank holds, which uses it, which produces one).
 
 What every reader of a program must agree on (weights, p2p, moves, rollout) is `schemas.program.TRAITS`,
-read by the executors too; the executors' handlers are their own table (`executors/interpreter.py`).
+read by the executors too; the executors' handlers are their own table (`HANDLERS` in the executor).
 Adding an instruction kind is its dataclass and traits in `schemas/program.py`, its entry below and its
 handler; `tests/unit/test_semantics.py` refuses a kind that lacks any of them.
 """

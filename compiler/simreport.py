@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from graphrl.ir import JobGraph
 from graphrl.schemas.plan import Plan
 from graphrl.schemas.program import Programs
 
-from graphrl.compiler.placed import PlacedLayout
+from graphrl.compiler.pipeline import placed_programs
+from graphrl.compiler.schedule import ProgramSettings
+from graphrl.compiler.state import Compilation, need
 from graphrl.compiler.preview import human_seconds
 from graphrl.compiler.simulate import SimResult, run_programs, text_gantt, write_chrome_trace
 
@@ -48,9 +49,9 @@ def simulate_window(programs: Programs, plan: Plan, trace_ranks: set[int] | None
     return result, result.makespan_s + (programs.steps - window.steps) * result.step_time_s
 
 
-def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Path | None = None,
+def simulate_report(plan: Plan, *, compiled: Compilation | None = None, trace_path: Path | None = None,
                     gantt: bool = True, progress: Callable[[str], None] = lambda stage: None) -> SimReport:
-    """Simulate `plan.programs`; with `graph` (the compiled job the plan came from) also the same
+    """Simulate `plan.programs`; with `compiled` (the compiled job the plan came from) also the same
     placement under the other schedule and the baseline layout. `progress` hears each stage."""
     if plan.programs is None:
         from graphrl.errors import PlanFileError
@@ -69,17 +70,17 @@ def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Pa
     progress("the chosen programs")
     chosen, run_s = simulate_window(programs, plan, trace_ranks if (trace_path or gantt) else None)
     sync_s, async_s, baseline_s = chosen.step_time_s, None, None
-    if graph is not None:
-        placed: PlacedLayout = graph["placement"]
+    if compiled is not None:
+        placed = need(compiled.placement, "placement")
         if layout.strategy == "disaggregated":
             # The chosen programs already run under the job's own schedule; build only the other one.
             other = "sync" if plan.job.schedule.mode == "async" else "async"
             progress(f"the same placement, {other}")
-            other_s = step_time(placed.programs(graph, steps=steps, mode=other))
+            other_s = step_time(placed_programs(compiled, ProgramSettings(steps, mode=other)))
             sync_s, async_s = (other_s, chosen.step_time_s) if other == "sync" else (chosen.step_time_s, other_s)
         if placed.baseline is not None:
             progress("the baseline layout")
-            baseline_s = step_time(placed.programs(graph, baseline=True, steps=steps, mode="sync"))
+            baseline_s = step_time(placed_programs(compiled, ProgramSettings(steps, mode="sync"), baseline=True))
     elif plan.baseline is not None:
         baseline_s = plan.baseline.estimate.step_time_s  # a plan file holds the baseline's estimate, not its programs
     busy = {}
@@ -101,10 +102,10 @@ def simulate_report(plan: Plan, *, graph: JobGraph | None = None, trace_path: Pa
              f"{chosen_window_steps(programs)} simulated, whole run {human_seconds(run_s)}",
              f"chosen:   {layout.label} [{layout.estimate.mode}]  {human_seconds(chosen.step_time_s)}/step"]
     if baseline_s is not None:
-        source = "" if graph is not None else f" ({plan.baseline.estimate.method} estimate in the plan)"
+        source = "" if compiled is not None else f" ({plan.baseline.estimate.method} estimate in the plan)"
         lines.append(f"baseline: {plan.baseline.label} [sync]{source}  {human_seconds(baseline_s)}/step   "
                      f"speed-up {baseline_s / chosen.step_time_s:.2f}x")
-    if graph is not None:
+    if compiled is not None:
         lines.append(f"same placement, sync:  {human_seconds(sync_s)}/step" +
                      (f"   async (max_staleness {plan.job.schedule.max_staleness}): {human_seconds(async_s)}/step   "
                       f"async speed-up {sync_s / async_s:.2f}x" if async_s else "   (colocated: async does not apply)"))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Hashable
 
 import networkx as nx
@@ -33,7 +32,6 @@ from graphrl.schemas.job import RoleHint, parse_device_range
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
 
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
-from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.roles import Role, derive_roles
 
 
@@ -398,9 +396,9 @@ def _check_pins(graph: JobGraph, cluster: ClusterSpec | None) -> tuple[str, ...]
     return tuple(warnings)
 
 
-@compiler_pass("typecheck", ensures=("types",))
-def typecheck(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """Ports, schemas, symbolic shapes, producers and references of the job graph."""
+def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None) -> JobGraph:
+    """Ports, schemas, symbolic shapes, producers and references of the job graph (and the placement pins
+    against `cluster`, when given); the graph with its symbolic sizes and the warnings."""
     _check_acyclic(graph)
     _check_ports(graph)
     for edge in graph.data_edges():
@@ -410,9 +408,8 @@ def typecheck(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     _check_consumed(graph)
     sizes = _unify_shapes(graph)
     _check_references(graph)
-    warnings = _check_algorithm(graph) + _check_pins(graph, ctx.cluster)
-    frozen = MappingProxyType({k: MappingProxyType(v) for k, v in sizes.items()})
-    return graph.with_attr("types", frozen).with_warnings(*warnings)
+    warnings = _check_algorithm(graph) + _check_pins(graph, cluster)
+    return graph.with_sizes(sizes).with_warnings(*warnings)
 
 
-__all__ = ["OPS", "tp_split_problem", "typecheck"]
+__all__ = ["OPS", "typecheck"]

@@ -13,20 +13,14 @@ Each violation is a `VerifyError` naming the rank, the instruction index and the
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from graphrl.errors import VerifyError
-from graphrl.ir import JobGraph
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.program import TRAITS, Programs, describe
 
-from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.semantics import SEMANTICS, STATE, Ledger
 from graphrl.compiler.simulate import run_programs
 
-if TYPE_CHECKING:
-    from graphrl.compiler.placed import PlacedLayout
 
 
 def _ranks_of(layout: Layout, mesh_name: str) -> range:
@@ -124,11 +118,4 @@ def verify_programs(programs: Programs, layout: Layout, usable_bytes: float, mod
     return check_memory(window, layout, usable_bytes)
 
 
-@compiler_pass("verify", requires=("programs", "placement"), ensures=("verified",))
-def verify(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """No deadlock, memory fits at every instruction, the staleness bound holds."""
-    placed: PlacedLayout = graph["placement"]
-    layout = placed.chosen
-    mode = ctx.options.get("mode") or (graph.job.schedule.mode if layout.strategy == "disaggregated" else "sync")
-    peak = verify_programs(graph["programs"], layout, placed.usable_bytes, mode, graph.job.schedule.max_staleness)
-    return graph.with_attr("verified", MappingProxyType({"peak_bytes": peak}))
+__all__ = ["check_body_memory_balance", "check_memory", "check_staleness", "proof_window", "verify_programs"]

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import Literal, Mapping
 
-from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
@@ -28,11 +27,8 @@ from graphrl.schemas.weightsync import WeightSyncRecord
 
 from graphrl.compiler import cost
 from graphrl.ddma import DDMA_BUCKET_BYTES, plan_llama_sync, sync_record
-from graphrl.compiler.passes import CompileContext, compiler_pass
 from graphrl.compiler.roles import JobShape
 
-if TYPE_CHECKING:
-    from graphrl.compiler.placed import PlacedLayout
 
 @dataclass(frozen=True)
 class WeightSyncPlan:
@@ -115,16 +111,4 @@ def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> 
     return problems
 
 
-
-def _spec(graph: JobGraph) -> list[str]:
-    placed: PlacedLayout = graph["placement"]
-    return check_weight_sync(graph["weight_sync"], placed.shape, placed.chosen)
-
-
-@compiler_pass("weight_sync", requires=("placement",), ensures=("weight_sync",), spec=_spec)
-def weight_sync(graph: JobGraph, ctx: CompileContext) -> JobGraph:
-    """How each new policy version reaches the generator: DDMA copy or in-place gather."""
-    placed: PlacedLayout = graph["placement"]
-    return graph.with_attr("weight_sync", plan_policy_sync(placed.shape, placed.chosen, placed.durations))
-
-__all__ = ["weight_sync", "WeightSyncPlan", "check_weight_sync", "ddma_record", "plan_policy_sync"]
+__all__ = ["WeightSyncPlan", "check_weight_sync", "ddma_record", "plan_policy_sync"]

@@ -101,12 +101,10 @@ def load_with_sets(path: str, sets: tuple[str, ...] = ()) -> LoadedJob:
 
 def checked_graph(job: LoadedJob, cluster: ClusterSpec | None = None) -> JobGraph:
     """Build and typecheck the graph (pins against `cluster` when given); errors are located in the job file."""
-    from graphrl.compiler.passes import CompileContext, run_passes
-    from graphrl.compiler.pipeline import FRONT
+    from graphrl.compiler.typecheck import typecheck
 
     try:
-        graph = build_graph(job.spec)
-        return run_passes(graph, CompileContext(job.spec, cluster), FRONT)
+        return typecheck(build_graph(job.spec), cluster)
     except GraphRLError as exc:
         if exc.path and exc.location is None:
             exc.location = job.source.locate(exc.path)
@@ -185,9 +183,9 @@ def compile_loaded_graph(loaded: LoadedJob, cluster: str | None, **options):  # 
     root = click.get_current_context(silent=True)
     check = bool(root is not None and root.find_root().params.get("debug"))
     with progress(f"compiling {loaded.spec.name}") as report:
-        graph = compile_graph(loaded, resolved, progress=report, check=check, **options)
-    warn(graph)
-    return graph, plan_of(graph, resolved)
+        state = compile_graph(loaded, resolved, progress=report, check=check, **options)
+    warn(state.graph)
+    return state, plan_of(state, resolved)
 
 
 def compile_loaded(loaded: LoadedJob, cluster: str | None, **options):  # noqa: ANN201
@@ -195,8 +193,9 @@ def compile_loaded(loaded: LoadedJob, cluster: str | None, **options):  # noqa: 
     return compile_loaded_graph(loaded, cluster, **options)[1]
 
 
-def _compile(job: str, cluster: str | None, sets: tuple[str, ...] = (), **options):  # noqa: ANN201
-    return compile_loaded(load_with_sets(job, sets), cluster, **options)
+def _compile(job: str, cluster: str | None, sets: tuple[str, ...] = (), *, steps: int | None = None,
+             **options):  # noqa: ANN201
+    return compile_loaded(_override(load_with_sets(job, sets), steps=steps), cluster, **options)
 
 
 @main.command(name="compile")
@@ -359,9 +358,9 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
             click.echo("warning: --set changes a job; it is ignored for a compiled plan file", err=True)
         plan, graph = _load_plan_or_compile(target, cluster, steps=steps), None
     else:
-        graph, plan = compile_loaded_graph(load_with_sets(target, sets), cluster, steps=steps)
+        graph, plan = compile_loaded_graph(_override(load_with_sets(target, sets), steps=steps), cluster)
     with progress(f"simulating {plan.job.name} on {plan.programs.num_ranks if plan.programs else 0} ranks") as stage:
-        report = simulate_report(plan, graph=graph, trace_path=trace, gantt=gantt and fmt == "text", progress=stage)
+        report = simulate_report(plan, compiled=graph, trace_path=trace, gantt=gantt and fmt == "text", progress=stage)
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
 
 

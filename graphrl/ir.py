@@ -60,11 +60,12 @@ Edge = DataEdge | WeightEdge
 
 @dataclass(frozen=True)
 class JobGraph:
-    """An immutable dataflow graph of one RL step, plus named analysis results."""
+    """An immutable dataflow graph of one RL step; once type-checked, with its symbolic sizes."""
 
     job: JobSpec
     _g: nx.MultiDiGraph = field(repr=False)
-    attrs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    sizes: Mapping[str, Mapping[str, int]] | None = None
+    """Per node, the value of each symbolic size of its ports (B, N, P, R ...); None until typecheck."""
     warnings: tuple[str, ...] = ()
 
     # -- reading -------------------------------------------------------------------------------
@@ -106,18 +107,19 @@ class JobGraph:
     def nodes_of_model(self, model: str) -> list[OpNode]:
         return [n for n in self.nodes() if n.model == model]
 
-    def has(self, fact: str) -> bool:
-        return fact in self.attrs
-
-    def __getitem__(self, fact: str) -> Any:
-        return self.attrs[fact]
+    def node_sizes(self, name: str) -> Mapping[str, int]:
+        """The symbolic sizes of node `name`'s ports, as typecheck unified them."""
+        if self.sizes is None:
+            raise AssertionError("the graph is not type-checked yet: its symbolic sizes are unknown")
+        return self.sizes[name]
 
     # -- deriving new graphs -------------------------------------------------------------------
-    def with_attr(self, fact: str, value: Any) -> "JobGraph":
-        return JobGraph(self.job, self._g, MappingProxyType({**self.attrs, fact: value}), self.warnings)
+    def with_sizes(self, sizes: Mapping[str, Mapping[str, int]]) -> "JobGraph":
+        frozen = MappingProxyType({k: MappingProxyType(dict(v)) for k, v in sizes.items()})
+        return JobGraph(self.job, self._g, frozen, self.warnings)
 
     def with_warnings(self, *warnings: str) -> "JobGraph":
-        return JobGraph(self.job, self._g, self.attrs, self.warnings + tuple(warnings))
+        return JobGraph(self.job, self._g, self.sizes, self.warnings + tuple(warnings))
 
     def with_edges(self, edges: list[Edge]) -> "JobGraph":
         """A copy whose edges are replaced by `edges` (node payloads are shared: they are frozen)."""
@@ -125,7 +127,7 @@ class JobGraph:
         g.add_nodes_from(self._g.nodes(data=True))
         for edge in edges:
             g.add_edge(edge.src, edge.dst, payload=edge)
-        return JobGraph(self.job, g, self.attrs, self.warnings)
+        return JobGraph(self.job, g, self.sizes, self.warnings)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, JobGraph):

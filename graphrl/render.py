@@ -19,7 +19,7 @@ def _node_detail(node) -> str:  # noqa: ANN001
 
 
 def graph_json(graph: JobGraph) -> dict[str, Any]:
-    types = graph.attrs.get("types", {})
+    types = graph.sizes or {}
     return {
         "job": graph.job.name,
         "nodes": [
@@ -39,7 +39,7 @@ def graph_json(graph: JobGraph) -> dict[str, Any]:
 def graph_text(graph: JobGraph) -> str:
     lines = [f"job {graph.job.name}: {sum(1 for _ in graph.nodes())} nodes, "
              f"{len(graph.data_edges())} data edges, {len(graph.weight_edges())} weight edges"]
-    types = graph.attrs.get("types", {})
+    types = graph.sizes or {}
     for name in graph.topo_order():
         node = graph.node(name)
         sizes = ", ".join(f"{k}={v}" for k, v in types.get(name, {}).items())

@@ -28,8 +28,7 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.hardware import resolve_hardware
-from graphrl.compiler.passes import CompileContext, run_passes
-from graphrl.compiler.pipeline import FRONT
+from graphrl.compiler.typecheck import typecheck
 from graphrl.compiler.placement import Evaluated, make_problem, search
 from graphrl.ir import build_graph
 from graphrl.loader import job_cluster, load_job
@@ -71,7 +70,7 @@ def representatives(example: str, cluster: str) -> dict[tuple[str, str, bool], E
     job = load_job(EXAMPLES / example)
     spec = job_cluster(job, cluster)
     hw = resolve_hardware(spec)
-    graph = run_passes(build_graph(job.spec), CompileContext(job.spec, spec, hw), FRONT)
+    graph = typecheck(build_graph(job.spec), spec)
     out: dict[tuple[str, str, bool], Evaluated] = {}
     for ev in search(make_problem(graph, spec, hw), exhaustive=True).ranked:
         out.setdefault(kind(ev), ev)

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.compile import compile_graph, compile_job
-from graphrl.compiler.programs import build_programs
+from graphrl.compiler.pipeline import placed_programs
+from graphrl.compiler.schedule import ProgramSettings
 from graphrl.compiler.schedule import fold_length
 from graphrl.compiler.simulate import run_programs
 from graphrl.compiler.verify import check_body_memory_balance
@@ -57,12 +58,12 @@ def test_periodic_programs_expand_to_the_unrolled_run(name, edits, checkpoint_ev
     job = dataclasses.replace(job, spec=job.spec.model_copy(update={
         "schedule": job.spec.schedule.model_copy(update={"checkpoint_every": checkpoint_every})}))
     graph = graph_for(job, steps=2)
-    pl = graph["placement"]
+    pl = graph.placement
     mode = job.spec.schedule.mode if pl.chosen.strategy == "disaggregated" else "sync"
     warm = fold_length(job.spec.schedule.max_staleness if mode == "async" else 0)
     for steps in (1, 2, warm - 1, warm, warm + 1, warm + 5, 37):
-        periodic = pl.programs(graph, steps=steps)
-        unrolled = pl.programs(graph, steps=steps, periodic=False)
+        periodic = placed_programs(graph, ProgramSettings(steps))
+        unrolled = placed_programs(graph, ProgramSettings(steps, periodic=False))
         assert periodic.streams == unrolled.streams, f"{steps} steps"
         checkpoints = [i.step for i in periodic.streams[-1] if isinstance(i, Checkpoint)]
         assert checkpoints == [s for s in range(steps) if s == steps - 1 or (checkpoint_every and (s + 1) % 3 == 0)]
@@ -96,25 +97,24 @@ def test_body_that_leaves_state_offloaded_is_refused():
     """A body that offloads a role's optimizer and never brings it back would shrink (or, the other way,
     grow) device memory every step; one iteration in a window would not show it, so verify refuses it."""
     body = [Offload("policy", ("optimizer",), 10), TrainStep(0, "update", "policy", 0, 8, 1, "trainer")]
-    programs = build_programs(*_tiny_inputs(), steps=20)
+    programs = placed_programs(_tiny_compiled(), ProgramSettings(20))
     broken = dataclasses.replace(programs, ranks=[RankProgram([], body, [])] * programs.num_ranks)
     with pytest.raises(VerifyError) as info:
         check_body_memory_balance(broken)
     assert "policy.optimizer" in str(info.value)
 
 
-def _tiny_inputs():
+def _tiny_compiled():
     job = load_job(EXAMPLES / "grpo_tiny.yaml")
-    graph = graph_for(job, steps=2)
-    pl = graph["placement"]
-    return graph, pl.shape, pl.chosen, pl.durations
+    return graph_for(job, steps=2)
 
 
 def test_periodic_and_unrolled_simulate_the_same_step_time():
     """The simulator over the periodic plan's window gives the unrolled run's steady-state step time."""
-    graph, shape, layout, durations = _tiny_inputs()
-    periodic = build_programs(graph, shape, layout, durations, steps=400)
-    unrolled = build_programs(graph, shape, layout, durations, steps=400, periodic=False)
+    compiled = _tiny_compiled()
+    shape = compiled.placement.shape
+    periodic = placed_programs(compiled, ProgramSettings(400))
+    unrolled = placed_programs(compiled, ProgramSettings(400, periodic=False))
     window = periodic.with_steps(periodic.window_steps(16))
     hw, per_node = shape.hardware, shape.devices_per_node
     a = run_programs(window, hw=hw, devices_per_node=per_node, timed=True).step_time_s
@@ -199,7 +199,6 @@ def test_inspect_step_shows_absolute_operands(tmp_path):
 
 
 def test_sends_of_every_iteration_have_distinct_tags():
-    graph, problem, ev, layout = _tiny_inputs()
     job = load_job(EXAMPLES / "aipo_async_tiny.yaml")
     programs = compile_job(job, job_cluster(job, None), steps=40).programs
     tags = [i.tag for s in programs.streams for i in s if isinstance(i, Send)]

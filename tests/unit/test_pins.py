@@ -17,9 +17,9 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.hardware import resolve_hardware
-from graphrl.compiler.passes import CompileContext
 from graphrl.compiler.placement import make_problem, search
-from graphrl.compiler.typecheck import tp_split_problem, typecheck
+from graphrl.compiler.typecheck import typecheck
+from graphrl.schemas.sharding import tp_split_problem
 from graphrl.errors import PlacementError
 from graphrl.ir import build_graph
 from graphrl.loader import apply_overrides, load_job, load_job_text, parse_override
@@ -56,12 +56,12 @@ def test_typecheck_refuses_exactly_the_pins_no_layout_holds() -> None:
         hw = resolve_hardware(cluster)
         graph = build_graph(job)
         try:
-            typed = typecheck.fn(graph, CompileContext(job, cluster, hw))
+            typed = typecheck(graph, cluster)
         except PlacementError as exc:
             refused += 1
             assert exc.path[:2] == ("placement", "roles"), exc.render()
             with pytest.raises(PlacementError):  # the search, without the typecheck, finds nothing either
-                search(make_problem(typecheck.fn(graph, CompileContext(job)), cluster, hw))
+                search(make_problem(typecheck(graph), cluster, hw))
             continue
         placed += 1
         result = search(make_problem(typed, cluster, hw), exhaustive=True)
@@ -86,7 +86,7 @@ def test_tp_rule_agrees_with_the_shapes_it_splits(preset: str) -> None:
 def test_pins_a_layout_does_not_read_are_warned_about() -> None:
     text = (EXAMPLES / "ppo_tiny.yaml").read_text()
     job = load_job_text(text + "\nplacement:\n  roles:\n    reference: {tp: 2}\n    policy/generate: {pp: 2}\n", "j.yaml")
-    graph = typecheck.fn(build_graph(job.spec), CompileContext(job.spec))
+    graph = typecheck(build_graph(job.spec))
     assert any(w.startswith("placement.roles.reference: ignored") for w in graph.warnings), graph.warnings
     assert any(w.startswith("placement.roles.policy/generate: pp ignored") for w in graph.warnings), graph.warnings
 

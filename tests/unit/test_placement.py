@@ -174,15 +174,14 @@ def test_an_fsdp_trainer_as_wide_as_its_colocated_tp_generator_gathers_only_the_
 
 def test_a_colocated_generator_as_wide_as_an_fsdp_trainer_reshards_for_less_than_a_gather():
     from graphrl.compiler.hardware import resolve_hardware
-    from graphrl.compiler.passes import CompileContext, run_passes
-    from graphrl.compiler.pipeline import FRONT
+    from graphrl.compiler.typecheck import typecheck
     from graphrl.compiler.placement import GenCfg, TrainCfg, make_problem, reshard_in_place_time, unaligned_tp_shards
     from graphrl.ir import build_graph
 
     job = load_job(EXAMPLES / "grpo_tiny.yaml")
     cluster = job_cluster(job, "local-cpu-2")
     hw = resolve_hardware(cluster)
-    problem = make_problem(run_passes(build_graph(job.spec), CompileContext(job.spec, cluster, hw), FRONT), cluster, hw)
+    problem = make_problem(typecheck(build_graph(job.spec), cluster), cluster, hw)
     fsdp2 = TrainCfg(0, 2, 1, 2, 1, 1, "fsdp", False, False)
     aligned_s, aligned_bytes = reshard_in_place_time(problem, fsdp2, GenCfg(0, 2, 2, "bf16"))
     assert aligned_bytes == unaligned_tp_shards(problem.policy.dims, 2)[0] > 0

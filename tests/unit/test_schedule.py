@@ -42,7 +42,7 @@ def test_async_versions_respect_the_bound_and_are_deterministic(staleness):
     text = (EXAMPLES / "aipo_async_tiny.yaml").read_text().replace("max_staleness: 1", f"max_staleness: {staleness}")
     job = load_job_text(text, "job.yaml")
     graphs = [compile_graph(job, job_cluster(job, None), steps=9) for _ in range(2)]
-    a, b = (g["programs"] for g in graphs)
+    a, b = (g.programs for g in graphs)
     assert a == b  # the same job always yields the same schedule
     gens = [i for i in a.streams[0] if isinstance(i, Generate)]
     assert [g.version for g in gens] == [version_for(g.step, "async", staleness) for g in gens]
@@ -52,14 +52,14 @@ def test_async_versions_respect_the_bound_and_are_deterministic(staleness):
 
 def test_sync_generates_with_the_current_version():
     g = graph_of("grpo_tiny.yaml", steps=5)
-    gens = [i for s in g["programs"].streams for i in s if isinstance(i, Generate)]
+    gens = [i for s in g.programs.streams for i in s if isinstance(i, Generate)]
     assert gens and all(i.version == i.step for i in gens)
 
 
 def test_swapped_send_and_recv_order_is_a_deadlock():
     """A program whose trainer receives step 1's batch before step 0's while the generator sends them in
     order must be rejected: with blocking semantics neither rank can move. The verifier names the rank."""
-    programs = graph_of("aipo_async_tiny.yaml", steps=4)["programs"]
+    programs = graph_of("aipo_async_tiny.yaml", steps=4).programs
     trainer = list(programs.streams[1])
     recvs = [k for k, ins in enumerate(trainer) if isinstance(ins, Recv)]
     trainer[recvs[0]], trainer[recvs[1]] = trainer[recvs[1]], trainer[recvs[0]]
@@ -71,7 +71,7 @@ def test_swapped_send_and_recv_order_is_a_deadlock():
 
 
 def test_missing_weight_sync_breaks_staleness():
-    programs = graph_of("aipo_async_tiny.yaml", steps=6)["programs"]
+    programs = graph_of("aipo_async_tiny.yaml", steps=6).programs
     streams = [[i for i in s if not (isinstance(i, WeightSync) and i.version == 2)] for s in programs.streams]
     with pytest.raises(VerifyError) as info:
         check_staleness(dataclasses.replace(programs, ranks=Programs.unrolled(6, streams, {}, {}, {}).ranks),
@@ -80,7 +80,7 @@ def test_missing_weight_sync_breaks_staleness():
 
 
 def test_every_send_has_its_receive():
-    programs = graph_of("aipo_async_tiny.yaml", steps=5)["programs"]
+    programs = graph_of("aipo_async_tiny.yaml", steps=5).programs
     sends = {(i.tag, r, i.peer) for r, s in enumerate(programs.streams) for i in s if isinstance(i, Send)}
     recvs = {(i.tag, i.peer, r) for r, s in enumerate(programs.streams) for i in s if isinstance(i, Recv)}
     assert sends and sends == recvs
@@ -88,9 +88,9 @@ def test_every_send_has_its_receive():
 
 def test_memory_overflow_is_reported_with_rank_and_instruction():
     g = graph_of("grpo_tiny.yaml", steps=2)
-    layout = g["placement"].chosen
+    layout = g.placement.chosen
     with pytest.raises(VerifyError) as info:
-        check_memory(g["programs"], layout, usable_bytes=1000.0)
+        check_memory(g.programs, layout, usable_bytes=1000.0)
     assert "rank 0 instruction" in str(info.value) and "exceeds" in str(info.value)
 
 
@@ -132,7 +132,7 @@ def test_offload_makes_a_colocated_plan_fit(tmp_path):
     assert "no layout fits" in str(info.value)
     yes = load_job_text(OFFLOAD_JOB.format(cluster=cluster, offload="true"), "yes.yaml")
     graph = compile_graph(yes, job_cluster(yes, None))
-    layout = graph["placement"].chosen
+    layout = graph.placement.chosen
     roles = {p.role: p for p in layout.placements}
     assert roles["policy"].offload == ["grads", "optimizer"]
     assert roles["reference"].offload == ["params"] and roles["reward_model"].offload == ["params"]
@@ -144,10 +144,10 @@ def test_offload_makes_a_colocated_plan_fit(tmp_path):
     assert roles["policy"].memory_bytes.optimizer == pytest.approx(params * 12)
     assert roles["reference"].memory_bytes.params == pytest.approx(params * 2)
     from graphrl.schemas.program import Offload
-    moved = {ins.role: ins.num_bytes for ins in graph["programs"].streams[0] if isinstance(ins, Offload)}
+    moved = {ins.role: ins.num_bytes for ins in graph.programs.streams[0] if isinstance(ins, Offload)}
     assert moved["policy"] == int(params * 14)
     assert moved["reward_model"] == int(8_030_261_248 * 2)
-    assert graph["verified"]["peak_bytes"] <= graph["placement"].usable_bytes
+    assert graph.verified.peak_bytes <= graph.placement.usable_bytes
 
 
 def test_simulated_async_beats_sync_on_disaggregated_tiny():
@@ -162,7 +162,7 @@ def test_simulated_async_beats_sync_on_disaggregated_tiny():
 
 def test_chrome_trace_has_spans_and_flows(tmp_path):
     g = graph_of("aipo_async_tiny.yaml", steps=3)
-    result = run_programs(g["programs"], hw=g["placement"].hardware, devices_per_node=2, timed=True, trace_ranks={0, 1})
+    result = run_programs(g.programs, hw=g.placement.hardware, devices_per_node=2, timed=True, trace_ranks={0, 1})
     trace = chrome_trace(result)
     phases = {e["ph"] for e in trace["traceEvents"]}
     assert {"X", "s", "f", "M"} <= phases

@@ -16,8 +16,7 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.hardware import resolve_hardware
-from graphrl.compiler.passes import CompileContext, run_passes
-from graphrl.compiler.pipeline import FRONT
+from graphrl.compiler.typecheck import typecheck
 from graphrl.compiler.placement import Problem, _splits, _train_cfgs, make_problem, search
 from graphrl.ir import build_graph
 from graphrl.loader import apply_overrides, job_cluster, load_job, parse_override
@@ -29,7 +28,7 @@ def problem(example: str, cluster: str | None = None, *sets: str) -> Problem:
     job = apply_overrides(load_job(EXAMPLES / example), [parse_override(s) for s in sets])
     spec = job_cluster(job, cluster)
     hw = resolve_hardware(spec)
-    graph = run_passes(build_graph(job.spec), CompileContext(job.spec, spec, hw), FRONT)
+    graph = typecheck(build_graph(job.spec), spec)
     return make_problem(graph, spec, hw)
 
 

@@ -38,7 +38,7 @@ def test_every_instruction_of_a_compiled_plan_has_a_predicted_duration(name):
     """The simulator times each non-transfer instruction from the plan's durations through its entry."""
     job = load_job(EXAMPLES / name)
     graph = compile_graph(job, job_cluster(job, None), steps=4)
-    programs, placed = graph["programs"], graph["placement"]
+    programs, placed = graph.programs, graph.placement
     costs = Costs(programs.durations, placed.hardware)
     seen = set()
     for rank in range(programs.num_ranks):

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler import passes, placement
-from graphrl.ir import build_graph
+from graphrl.compiler.compile import start, with_steps
 from graphrl.loader import job_cluster, load_job
 from graphrl.schemas.program import CostKey, Recv
 from graphrl.compiler.hardware import resolve_hardware
@@ -27,12 +27,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 def _compile(name: str, passes=PIPELINE, **options):  # noqa: ANN001, ANN202
     job = load_job(str(EXAMPLES / name))
     cluster = job_cluster(job, None)
-    ctx = CompileContext(job.spec, cluster, resolve_hardware(cluster), {"steps": 8, **options})
-    return run_passes(build_graph(job.spec), ctx, passes, check=True)
+    spec = with_steps(job.spec, 8)
+    ctx = CompileContext(spec, cluster, resolve_hardware(cluster), dict(options))
+    return run_passes(start(spec), ctx, passes, check=True)
 
 
 def test_the_pipeline_is_the_designs_nine_passes() -> None:
-    assert [p.name for p in PIPELINE] == ["typecheck", "annotate_costs", "placement", "offload", "reshard",
+    assert [p.name for p in PIPELINE] == ["typecheck", "placement", "refine_placement", "offload", "reshard",
                                           "weight_sync", "schedule", "lower", "verify"]
     # Every pass after placement reads only what the passes before it ensured.
     ensured: set[str] = set()
@@ -48,13 +49,13 @@ def test_every_stage_spec_holds_on_the_examples(name: str) -> None:
     for p in PIPELINE:
         if p.spec is not None:
             assert p.spec(graph) == [], p.name
-    assert graph["weight_sync"].kind in ("in_place", "ddma")
+    assert graph.weight_sync.kind in ("in_place", "ddma")
 
 
 def test_placement_hands_on_typed_records_not_the_search() -> None:
     """The passes after placement read the job's shape, the layouts and their durations: nothing of the
     search's own records (`Problem`, `Evaluated`) leaves the placement pass."""
-    placed = _compile("aipo_async_tiny.yaml")["placement"]
+    placed = _compile("aipo_async_tiny.yaml").placement
     private = (placement.Problem, placement.Evaluated, placement.TrainCfg, placement.GenCfg)
     for f in dataclasses.fields(placed):
         assert not isinstance(getattr(placed, f.name), private), f.name
@@ -71,32 +72,32 @@ def _corrupting(pass_name: str, corrupt):  # noqa: ANN001, ANN202
 
 
 def _replace_attr(graph, name: str, **changes):  # noqa: ANN001, ANN202
-    return graph.with_attr(name, dataclasses.replace(graph[name], **changes))
+    return dataclasses.replace(graph, **{name: dataclasses.replace(getattr(graph, name), **changes)})
 
 
 def _forget_the_generation_time(graph):  # noqa: ANN001, ANN202
-    durations = {k: v for k, v in graph["placement"].durations.items() if k.kind != "Generate"}
+    durations = {k: v for k, v in graph.placement.durations.items() if k.kind != "Generate"}
     return _replace_attr(graph, "placement", durations=MappingProxyType(durations))
 
 
 def _drop_first_transfer(graph):  # noqa: ANN001, ANN202
-    return _replace_attr(graph, "reshard", transfers=graph["reshard"].transfers[1:])
+    return _replace_attr(graph, "reshard", transfers=graph.reshard.transfers[1:])
 
 
 def _double_offload_bytes(graph):  # noqa: ANN001, ANN202
-    roles = {r: RoleOffload(o.state, 2 * o.num_bytes + 1) for r, o in graph["offload"].roles.items()}
+    roles = {r: RoleOffload(o.state, 2 * o.num_bytes + 1) for r, o in graph.offload.roles.items()}
     return _replace_attr(graph, "offload", roles=MappingProxyType(roles))
 
 
 def _same_sender_twice_in_a_round(graph):  # noqa: ANN001, ANN202
-    record = graph["weight_sync"].record
+    record = graph.weight_sync.record
     first = record.rounds[0][0]
     rounds = [[first, first._replace(dst=first.dst + 1)]] + record.rounds[1:]
     return _replace_attr(graph, "weight_sync", record=record.model_copy(update={"rounds": rounds}))
 
 
 def _drop_a_receive(graph):  # noqa: ANN001, ANN202
-    sched = graph["schedule"]
+    sched = graph.schedule
     transcripts = {}
     for n, streams in sched.transcripts.items():
         rank = next(r for r, s in enumerate(streams) if any(isinstance(i, Recv) for i in s))
@@ -107,11 +108,11 @@ def _drop_a_receive(graph):  # noqa: ANN001, ANN202
 
 
 def _drop_a_body_instruction(graph):  # noqa: ANN001, ANN202
-    programs = graph["programs"]
+    programs = graph.programs
     rank = next(r for r, p in enumerate(programs.ranks) if p.body)
     ranks = list(programs.ranks)
     ranks[rank] = dataclasses.replace(ranks[rank], body=ranks[rank].body[1:])
-    return graph.with_attr("programs", dataclasses.replace(programs, ranks=ranks))
+    return dataclasses.replace(graph, programs=dataclasses.replace(programs, ranks=ranks))
 
 
 @pytest.mark.parametrize("stage, corrupt, example, reason", [
@@ -124,8 +125,8 @@ def _drop_a_body_instruction(graph):  # noqa: ANN001, ANN202
 ])
 def test_a_spoiled_stage_is_caught_by_its_spec_under_its_name(stage, corrupt, example, reason) -> None:  # noqa: ANN001
     graph = _compile(example, passes=PIPELINE[:PIPELINE.index(next(p for p in PIPELINE if p.name == stage)) + 1])
-    assert stage != "offload" or graph["offload"].roles, f"{example}'s layout offloads nothing"
-    assert stage != "reshard" or graph["reshard"].transfers, f"{example}'s layout moves no responses"
+    assert stage != "offload" or graph.offload.roles, f"{example}'s layout offloads nothing"
+    assert stage != "reshard" or graph.reshard.transfers, f"{example}'s layout moves no responses"
     with pytest.raises(PassFailure) as err:
         _compile(example, passes=_corrupting(stage, corrupt))
     assert err.value.pass_name == stage
