@@ -21,7 +21,8 @@ from graphrl.compiler.offload import check_offload, plan_offload
 from graphrl.compiler.passes import CompileContext, Pass, compiler_pass, run_passes
 from graphrl.compiler.place import check_placement, place_job
 from graphrl.compiler.reshard import check_reshard, plan_reshard
-from graphrl.compiler.schedule import ProgramSettings, build_schedule, check_schedule, effective_mode
+from graphrl.compiler.roles import effective_mode
+from graphrl.compiler.schedule import ProgramSettings, build_schedule, check_schedule
 from graphrl.compiler.simulate import run_programs
 from graphrl.compiler.state import Compilation, Verified, need
 from graphrl.compiler.typecheck import typecheck

@@ -46,7 +46,7 @@ from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
 from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
-from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
+from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload, effective_mode
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 
 GB = 1e9
@@ -808,8 +808,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
     else:
         device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
                                           roles=[pl.role for pl in placements]))
-    mode = p.mode if ev.strategy == "disaggregated" else "sync"
-    estimate = StepEstimate(step_time_s=ev.step_time_s, phases=ev.phases, mode=mode)  # type: ignore[arg-type]
+    estimate = StepEstimate(step_time_s=ev.step_time_s, phases=ev.phases, mode=effective_mode(p.mode, ev.strategy))
     return Layout(strategy=ev.strategy, label=ev.label, meshes=meshes, placements=placements,
                   operations=operations, device_memory=device_memory, estimate=estimate)
 

@@ -8,6 +8,7 @@ forward passes (`reference`, kind `infer`). Placement assigns roles, not ops, to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from graphrl.errors import JobError
 from graphrl.ir import JobGraph
@@ -89,6 +90,12 @@ class JobShape:
         by_role = {pl.role: pl for pl in layout.placements}
         gen = self.generator
         return layout.role_mesh(by_role[self.policy.name]), (layout.role_mesh(by_role[gen.name]) if gen else None)
+
+
+def effective_mode(job_mode: str, strategy: str) -> Literal["sync", "async"]:
+    """The schedule a layout runs: the job's mode when generation has devices of its own; a colocated
+    layout is synchronous (its roles take turns on the same devices)."""
+    return "async" if job_mode == "async" and strategy == "disaggregated" else "sync"
 
 
 def generation_role(model: str) -> str:

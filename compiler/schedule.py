@@ -43,7 +43,7 @@ from graphrl.schemas.program import (
 )
 
 from graphrl.compiler.offload import OffloadPlan
-from graphrl.compiler.roles import JobShape
+from graphrl.compiler.roles import JobShape, effective_mode
 from graphrl.compiler.reshard import ReshardPlan, split_range
 from graphrl.compiler.weight_sync import WeightSyncPlan
 
@@ -99,12 +99,6 @@ class ProgramSettings:
     @classmethod
     def of(cls, job: JobSpec) -> "ProgramSettings":
         return cls(steps=job.schedule.steps)
-
-
-def effective_mode(job_mode: str, strategy: str) -> Literal["sync", "async"]:
-    """The schedule a layout runs: the job's mode when generation has devices of its own; a colocated
-    layout is synchronous (its roles take turns on the same devices)."""
-    return "async" if job_mode == "async" and strategy == "disaggregated" else "sync"
 
 
 def build_schedule(graph: JobGraph, shape: JobShape, layout: Layout, offload: OffloadPlan, reshard: ReshardPlan,
@@ -297,4 +291,4 @@ def check_schedule(schedule: Schedule) -> list[str]:
 
 
 
-__all__ = ["ProgramSettings", "Schedule", "build_schedule", "effective_mode", "check_schedule", "fold_length", "version_for"]
+__all__ = ["ProgramSettings", "Schedule", "build_schedule", "check_schedule", "fold_length", "version_for"]
