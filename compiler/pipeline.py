@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
+from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.program import CostKey, Programs
 
@@ -68,7 +69,8 @@ def reshard_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     placed = need(s.placement, "placement")
     train, gen = placed.meshes()
     w = placed.shape.workload
-    return replace(s, reshard=plan_reshard(gen, train, w.responses, w.samples_per_prompt, w.seq_len))
+    per_response = rollout_bytes_per_response(w.prompt_len, w.response_len)
+    return replace(s, reshard=plan_reshard(gen, train, w.responses, w.samples_per_prompt, per_response))
 
 
 def _check_weight_sync(s: Compilation) -> list[str]:

@@ -45,6 +45,7 @@ from graphrl.schemas.plan import (
 from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost
+from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload, effective_mode
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
@@ -52,7 +53,6 @@ from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_pr
 GB = 1e9
 # Bytes of one response in flight between meshes: prompt and response ids (int64), masks (bool),
 # behaviour log-probs (fp32) and, per response, a reward and an advantage per token (fp32).
-ROLLOUT_BYTES_PER_TOKEN = 8 + 1 + 4 + 4
 SHARDINGS: tuple[str, ...] = ("fsdp", "zero2", "zero1", "none")
 Strategy = Literal["colocated", "disaggregated"]
 
@@ -438,7 +438,7 @@ def unaligned_tp_shards(dims: ModelDims, tp: int) -> tuple[float, int]:
 
 def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
     w = p.workload
-    total = w.tokens * ROLLOUT_BYTES_PER_TOKEN
+    total = w.responses * rollout_bytes_per_response(w.prompt_len, w.response_len)
     return cost.collective_time("p2p", total, 2, p.hw, spans), total
 
 

@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 from graphrl.schemas.mesh import Mesh
 
-from graphrl.compiler.placement import ROLLOUT_BYTES_PER_TOKEN
 
 
 
@@ -54,7 +53,7 @@ class ReshardPlan:
         return (t.stop - t.start) * self.bytes_per_response
 
 
-def plan_reshard(gen: Mesh | None, train: Mesh, responses: int, group: int, seq_len: int) -> ReshardPlan:
+def plan_reshard(gen: Mesh | None, train: Mesh, responses: int, group: int, bytes_per_response: int) -> ReshardPlan:
     """Each generator replica's range goes to the trainer ranks whose data-parallel range overlaps it;
     the replica's ranks share the sending (round robin). No generator: nothing moves."""
     transfers: list[RolloutTransfer] = []
@@ -71,7 +70,7 @@ def plan_reshard(gen: Mesh | None, train: Mesh, responses: int, group: int, seq_
                     src = dst if dst in senders else senders[(d + k) % len(senders)]
                     if src != dst:
                         transfers.append(RolloutTransfer(src, dst, lo, hi))
-    return ReshardPlan(tuple(sorted(transfers)), responses, group, seq_len * ROLLOUT_BYTES_PER_TOKEN)
+    return ReshardPlan(tuple(sorted(transfers)), responses, group, bytes_per_response)
 
 
 def check_reshard(plan: ReshardPlan, gen: Mesh | None, train: Mesh) -> list[str]:

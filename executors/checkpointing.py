@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from graphrl.errors import RunError
+from graphrl.executors.rollouts import Piece
 
-Piece = tuple[int, int, dict[str, Tensor]]
 
 
 @contextmanager

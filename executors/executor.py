@@ -59,35 +59,13 @@ from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_
                                       finish_checkpoint)
 from graphrl.executors.parallel import (clip_grad_norm, copy_full_weights, full_state_dict, tensor_parallel_infer,
                                         trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer)
+from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import COLLECTIVE_TIMEOUT_S, Runtime
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
 
-ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "behaviour_logprobs")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-Piece = tuple[int, int, dict[str, Tensor]]
-
-
-def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tensor] | None, int]:
-    """Responses [lo, hi) of one step joined from the pieces (start, stop, fields) a rank holds, and
-    how far they reach: (None, reach) when a gap leaves part of the range missing."""
-    parts, cursor = [], lo
-    for a, b, data in sorted(pieces, key=lambda p: p[0]):
-        if b <= cursor or a >= hi:
-            continue
-        if a > cursor:
-            break
-        take = slice(cursor - a, min(b, hi) - a)
-        parts.append({k: v[take] for k, v in data.items() if k != "version"} | {"version": data["version"]})
-        cursor = min(b, hi)
-    if cursor < hi:
-        return None, cursor
-    out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
-    out["version"] = torch.tensor([max(int(p["version"].item()) for p in parts)])
-    return out, cursor
 
 
 def step_lag(programs: Programs, rank: int) -> int:
@@ -577,24 +555,11 @@ class RankExecutor:
             self.metrics.write(row)
 
     def send(self, ins: Send) -> None:
-        piece = self._piece_for(ins)
-        for name in ROLLOUT_FIELDS + ("version",):
-            tensor = piece[name]
-            self.rt.send(tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor, ins.peer)
+        send_piece(self.rt, self._piece_for(ins), ins.peer)
 
     def recv(self, ins: Recv) -> None:
-        n = ins.stop - ins.start
-        p_len = self.data_node.spec.prompt_len
-        r_len = self.gen_node.spec.max_new_tokens
-        shapes = {"prompt_ids": ((n, p_len), torch.int64), "prompt_mask": ((n, p_len), torch.uint8),
-                  "response_ids": ((n, r_len), torch.int64), "response_mask": ((n, r_len), torch.uint8),
-                  "behaviour_logprobs": ((n, r_len), torch.float32), "version": ((1,), torch.int64)}
-        piece = {}
-        for name in ROLLOUT_FIELDS + ("version",):
-            shape, dtype = shapes[name]
-            buf = torch.empty(shape, dtype=dtype, device=self.rt.comm_device)
-            self.rt.recv(buf, ins.peer)
-            piece[name] = buf.to(self.rt.device).bool() if dtype == torch.uint8 else buf.to(self.rt.device)
+        piece = recv_piece(self.rt, ins.peer, ins.stop - ins.start, self.data_node.spec.prompt_len,
+                           self.gen_node.spec.max_new_tokens)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _piece_for(self, ins: Send) -> dict[str, Tensor]:

@@ -214,7 +214,7 @@ def instruction_overhead(batch: int = 128, prompt_len: int = 6, response_len: in
     """Seconds of an executed data instruction besides model math: the executor joins the step's rollout
     pieces, then applies a rule reward or a GRPO advantage (the mean of the two)."""
     from graphrl.executors import algorithms as alg
-    from graphrl.executors.executor import join_rollouts
+    from graphrl.executors.rollouts import join_rollouts
     from graphrl.tasks import REWARDS
 
     piece = {"prompt_ids": torch.randint(0, 10, (batch, prompt_len)),

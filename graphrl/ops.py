@@ -38,6 +38,11 @@ REWARDS = DataSchema.of(rewards="float32[N]")
 ADVANTAGES = DataSchema.of(advantages="float32[N, R]", returns="float32[N, R]")
 
 
+def rollout_bytes_per_response(prompt_len: int, response_len: int) -> int:
+    """Bytes of one response's rollout fields as they cross a link (the executors send exactly these)."""
+    return ROLLOUTS.bytes_per("N", {"P": prompt_len, "R": response_len})
+
+
 @dataclass(frozen=True)
 class InPort:
     schema: DataSchema

@@ -15,6 +15,8 @@ from pydantic import Field, field_validator
 from graphrl.schemas.base import Frozen
 
 FieldDType = Literal["int64", "int32", "bool", "float32", "bfloat16"]
+DTYPE_BYTES: dict[str, int] = {"int64": 8, "int32": 4, "bool": 1, "float32": 4, "bfloat16": 2}
+"""Bytes per element of each field dtype (a bool crosses a link as one byte)."""
 _SYMBOL = re.compile(r"^[A-Z][A-Za-z0-9_]*$")
 _SPEC = re.compile(r"^\s*(?P<dtype>[a-z0-9]+)\s*\[(?P<dims>[^\]]*)\]\s*$")
 
@@ -61,3 +63,16 @@ class DataSchema(Frozen):
 
     def __str__(self) -> str:
         return "{" + ", ".join(f"{k}: {v}" for k, v in self.fields.items()) + "}"
+
+    def bytes_per(self, symbol: str, sizes: dict[str, int]) -> int:
+        """Bytes of the batch per unit of `symbol` (one response of N, say), the other symbols at `sizes`;
+        every field must have `symbol` as its leading dimension."""
+        total = 0
+        for name, f in self.fields.items():
+            if not f.shape or f.shape[0] != symbol:
+                raise ValueError(f"field {name} ({f}) does not lead with {symbol}")
+            per = DTYPE_BYTES[f.dtype]
+            for dim in f.shape[1:]:
+                per *= dim if isinstance(dim, int) else sizes[dim]
+            total += per
+        return total

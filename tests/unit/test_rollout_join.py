@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import torch
 
-from graphrl.executors.executor import ROLLOUT_FIELDS, join_rollouts
+from graphrl.executors.rollouts import ROLLOUT_FIELDS, join_rollouts
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -62,3 +64,19 @@ def test_step_lag_is_zero_for_sync_and_grows_with_staleness():
 
     assert lags("grpo_tiny.yaml") == [0, 0]
     assert lags("aipo_async_tiny.yaml", "schedule.max_staleness=2") == [0, 1]
+
+
+@pytest.mark.parametrize("n, prompt_len, response_len", [(1, 3, 5), (8, 16, 32), (5, 1, 1)])
+def test_the_wire_carries_the_bytes_the_plan_charges(n: int, prompt_len: int, response_len: int) -> None:
+    """The executors' wire format and the compiler's transfer bytes both come from the rollout schema: a
+    field added to one and not the other would make the reshard's predicted bytes wrong."""
+    from math import prod
+
+    from graphrl.executors.rollouts import wire_layout
+    from graphrl.ops import rollout_bytes_per_response
+
+    layout = wire_layout(n, prompt_len, response_len)
+    assert [name for name, _, _ in layout] == [*ROLLOUT_FIELDS, "version"]
+    data = sum(prod(shape) * torch.empty(0, dtype=dtype).element_size() for name, shape, dtype in layout
+               if name != "version")
+    assert data == n * rollout_bytes_per_response(prompt_len, response_len)

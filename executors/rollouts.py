@@ -1,0 +1,72 @@
+"""The rollout batch as ranks hold and move it, derived from the rollout schema (`graphrl.ops.ROLLOUTS`).
+
+A step's responses live on a rank as pieces `(start, stop, fields)` (from one or several generator
+replicas, or received), joined when a consumer reads a range. On the wire a piece is its schema's fields
+in schema order, then its weight version; a bool field crosses as uint8 (what every backend sends). A
+field added to the schema is generated, sent, received and joined without another edit here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from graphrl.ops import ROLLOUTS
+
+ROLLOUT_FIELDS: tuple[str, ...] = tuple(ROLLOUTS.fields)
+_TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "float32": torch.float32,
+                 "bfloat16": torch.bfloat16}
+
+Piece = tuple[int, int, dict[str, Tensor]]
+
+
+def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tensor] | None, int]:
+    """Responses [lo, hi) of one step joined from the pieces (start, stop, fields) a rank holds, and
+    how far they reach: (None, reach) when a gap leaves part of the range missing."""
+    parts, cursor = [], lo
+    for a, b, data in sorted(pieces, key=lambda p: p[0]):
+        if b <= cursor or a >= hi:
+            continue
+        if a > cursor:
+            break
+        take = slice(cursor - a, min(b, hi) - a)
+        parts.append({k: v[take] for k, v in data.items() if k != "version"} | {"version": data["version"]})
+        cursor = min(b, hi)
+    if cursor < hi:
+        return None, cursor
+    out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
+    out["version"] = torch.tensor([max(int(p["version"].item()) for p in parts)])
+    return out, cursor
+
+
+def wire_layout(num_responses: int, prompt_len: int, response_len: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, wire dtype) of each tensor of a piece of `num_responses` responses, in send order."""
+    sizes = {"N": num_responses, "P": prompt_len, "R": response_len}
+    out = []
+    for name, f in ROLLOUTS.fields.items():
+        shape = tuple(d if isinstance(d, int) else sizes[d] for d in f.shape)
+        out.append((name, shape, torch.uint8 if f.dtype == "bool" else _TORCH_DTYPES[f.dtype]))
+    out.append(("version", (1,), torch.int64))
+    return out
+
+
+def send_piece(rt: Any, piece: dict[str, Tensor], peer: int) -> None:
+    """Send a piece's tensors to `peer` in wire order."""
+    for name in (*ROLLOUT_FIELDS, "version"):
+        tensor = piece[name]
+        rt.send(tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor, peer)
+
+
+def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response_len: int) -> dict[str, Tensor]:
+    """Receive a piece from `peer` (its sizes known from the plan), on this rank's device."""
+    piece = {}
+    for name, shape, dtype in wire_layout(num_responses, prompt_len, response_len):
+        buf = torch.empty(shape, dtype=dtype, device=rt.comm_device)
+        rt.recv(buf, peer)
+        piece[name] = buf.to(rt.device).bool() if dtype == torch.uint8 else buf.to(rt.device)
+    return piece
+
+
+__all__ = ["Piece", "ROLLOUT_FIELDS", "join_rollouts", "recv_piece", "send_piece", "wire_layout"]
