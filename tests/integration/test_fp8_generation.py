@@ -40,21 +40,30 @@ def test_tiny_example_learns_with_an_fp8_generator(tmp_path, example):
     assert any(r["fp8_state_bytes"] > 0 for r in ledger)
 
 
-@pytest.mark.parametrize("args", [
-    ("--set", "placement.roles.policy/generate.tp=2"),  # colocated: in-place reshard into fp8 tp shards
-    ("--cluster", "local-cpu-4", "--strategy", "disaggregated", "--set", "placement.roles.policy/generate.tp=2"),
-], ids=["colocated-tp2", "disaggregated-tp2"])
-def test_tensor_parallel_fp8_generator_runs_on_fresh_weights(tmp_path, args):
+@pytest.mark.parametrize("args, label, generator_ranks", [
+    # one rank: the trainer is not wrapped; bf16 generation would share its module, fp8 holds its own copy
+    (("--cluster", "local-cpu-1"), "tp1x dp1 fp8]", 1),
+    # colocated: in-place reshard into fp8 tp shards
+    (("--set", "placement.roles.policy/generate.tp=2"), "tp2x dp1 fp8]", 2),
+    # tp 4 over 2 KV heads: each head replicated on 2 ranks, completed over the group in the staging
+    (("--cluster", "local-cpu-4", "--set", "placement.roles.policy/generate.tp=4"), "tp4x dp1 fp8]", 4),
+    # disaggregated: DDMA into fp8 tp shards
+    (("--cluster", "local-cpu-4", "--strategy", "disaggregated", "--set", "placement.roles.policy/generate.tp=2"),
+     "tp2x dp1 fp8]", 2),
+], ids=["colocated-single-rank", "colocated-tp2", "colocated-tp4-replicated-kv", "disaggregated-tp2"])
+def test_fp8_generator_runs_on_fresh_weights(tmp_path, args, label, generator_ranks):
     """Behaviour log-probs come from the fp8 generator, old log-probs from the float32 trainer on the
     same synced version: their KL stays at quantization size (measured below 1e-4). With a learning rate
     that moves the policy fast, a generator whose reshard did nothing drifts to a KL of 0.1-1 within
     three steps; unwritten (NaN) shards fail the comparison outright."""
     output, rows, ledger = run(tmp_path, "grpo_tiny.yaml", "--steps", "6", "--set", "algorithm.lr=0.03", *args)
-    assert "tp2x dp1 fp8]" in output
+    assert label in output
     assert [r["weight_version"] for r in rows] == list(range(6))
     assert all(0 <= r["approx_kl"] < 1e-3 for r in rows), [r["approx_kl"] for r in rows]
     generators = [r for r in ledger if "policy/generate" in r["roles"]]
-    assert len(generators) == 2 and all(r["fp8_state_bytes"] > 0 for r in generators)
+    assert len(generators) == generator_ranks and all(r["fp8_state_bytes"] > 0 for r in generators)
     disaggregated = [r for r in generators if r["roles"] == ["policy/generate"]]
     for r in disaggregated:  # a generator-only rank: its bytes are the fp8 placement's (norms replicated over tp)
         assert r["measured_state_bytes"] == pytest.approx(r["planned_state_bytes"], rel=0.05)
+    if generator_ranks == 1:  # trainer and fp8 generator on one rank, each as charged
+        assert ledger[0]["ratio"] == pytest.approx(1.0, rel=0.01)
