@@ -8,11 +8,13 @@ accounting (`compiler/cost.py:weight_bytes`) charges them.
 
 A matmul runs one of two ways (`Fp8Linear.matmul`):
 - `scaled_mm`: activations are quantized per token (row) to e4m3 as well and `torch._scaled_mm` multiplies
-  the two fp8 operands with both scale vectors, in bf16/fp16 out. The default on CUDA devices of compute
-  capability 8.9 or higher (fp8 tensor cores) when both dims are multiples of 16, as the kernel needs;
-- `dequantize`: the weight is expanded to the activations' dtype at use and multiplied as usual. Every other
-  case: CPU ranks, older GPUs, float32 models. It saves memory, not time; the cost model charges a CPU's
-  fp8 generation at its unquantized rate for that reason.
+  the two fp8 operands with both scale vectors (row-wise scaling), bf16 out. The default for bf16
+  activations on CUDA devices of compute capability 9.0 or higher (Hopper: fp8 tensor cores with the
+  row-wise scaled kernel) when both dims are multiples of 16, as the kernel needs. A device that still
+  refuses the call falls back to `dequantize` for that layer, with a warning;
+- `dequantize`: the weight is expanded to the activations' dtype at use, multiplied as usual and the
+  product scaled per output channel. Every other case: CPU ranks, older GPUs, float32 models. It saves
+  memory, not time; the cost model charges a CPU's fp8 generation at its unquantized rate for that reason.
 
 Weights arrive in full precision (the trainer's dtype on the wire) and are quantized where they land:
 `staging_tensors` gives a weight sync full-precision tensors to write the quantized weights into, and
@@ -23,6 +25,7 @@ path (`copy_quantized`) quantizes tensor by tensor from the trainer's module and
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterator, Literal, Mapping
 
 import torch
@@ -62,8 +65,8 @@ def expand_fp8(weight: Tensor) -> Tensor:
 
 
 def _scaled_mm_capable(device: torch.device) -> bool:
-    """fp8 tensor cores: CUDA compute capability 8.9 (Ada) or higher."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """fp8 tensor cores with row-wise scaled `_scaled_mm`: CUDA compute capability 9.0 (Hopper) or higher."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class Fp8Linear(nn.Module):
@@ -110,24 +113,36 @@ class Fp8Linear(nn.Module):
         """Whether a forward on `x` runs `torch._scaled_mm` (see the module docstring)."""
         if self.matmul != "auto":
             return self.matmul == "scaled_mm"
-        return (x.dtype in (torch.bfloat16, torch.float16) and self.in_features % 16 == 0
+        return (x.dtype == torch.bfloat16 and self.in_features % 16 == 0
                 and self.out_features % 16 == 0 and _scaled_mm_capable(self.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.uses_scaled_mm(x):
-            # The scale is per output channel, so it scales the product instead of the weight: the
-            # weight is only expanded (exactly), and the multiply is the size of the output.
-            if self.weight.device.type == "cpu":
-                weight, scale = expand_fp8(self.weight).to(x.dtype), self.weight_scale * _EXPANDED_SCALE
-            else:
-                weight, scale = self.weight.to(x.dtype), self.weight_scale
-            return F.linear(x, weight) * scale.to(x.dtype)
+        if self.uses_scaled_mm(x):
+            try:
+                return self._scaled_mm(x)
+            except RuntimeError as exc:  # a device or build without the row-wise fp8 kernel
+                if self.matmul == "scaled_mm":
+                    raise
+                warnings.warn(f"torch._scaled_mm is unavailable here ({str(exc).splitlines()[0]}); this fp8 "
+                              "layer dequantizes its weight at use instead", stacklevel=2)
+                self.matmul = "dequantize"
+        return self._dequantized_mm(x)
+
+    def _dequantized_mm(self, x: Tensor) -> Tensor:
+        # The scale is per output channel, so it scales the product instead of the weight: the weight
+        # is only expanded (exactly), and the multiply is the size of the output.
+        if self.weight.device.type == "cpu":
+            weight, scale = expand_fp8(self.weight).to(x.dtype), self.weight_scale * _EXPANDED_SCALE
+        else:
+            weight, scale = self.weight.to(x.dtype), self.weight_scale
+        return F.linear(x, weight) * scale.to(x.dtype)
+
+    def _scaled_mm(self, x: Tensor) -> Tensor:
         x_2d = x.reshape(-1, self.in_features).float()
         x_scale = x_2d.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
         x_q = (x_2d / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         out = torch._scaled_mm(x_q, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
-                               out_dtype=out_dtype)
+                               out_dtype=torch.bfloat16)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -147,3 +147,32 @@ def test_fp8_logprobs_agree_with_the_unquantized_generator(dims: ModelDims) -> N
     assert 0 < float(diff_fp8.mean()) < 0.05, float(diff_fp8.mean())
     assert float(diff_fp8.max()) < 0.3, float(diff_fp8.max())
     assert float(diff_fp8.mean()) < 16 * float(diff_bf16.mean())
+
+
+def test_auto_takes_scaled_mm_on_fp8_tensor_cores_and_falls_back_with_a_warning(monkeypatch) -> None:
+    """On a device with fp8 tensor cores (faked here; the kernel itself runs on CPU) bf16 layers go
+    through `torch._scaled_mm`; float32 ones and dims off the kernel's multiple of 16 do not. A device
+    that refuses the kernel gets the dequantized product and a warning, not an error."""
+    monkeypatch.setattr(fp8, "_scaled_mm_capable", lambda device: True)
+    torch.manual_seed(0)
+    bf16 = fp8.Fp8Linear.from_linear(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert bf16.uses_scaled_mm(x)
+    assert not bf16.uses_scaled_mm(x.float())
+    assert not fp8.Fp8Linear.from_linear(torch.nn.Linear(64, 40, bias=False).to(torch.bfloat16)).uses_scaled_mm(x)
+    forced = fp8.Fp8Linear.from_linear(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16), matmul="scaled_mm")
+    forced.load_state_dict(bf16.state_dict())
+    assert torch.equal(bf16(x), forced(x))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("row-wise scaling is not supported on this device")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.warns(UserWarning, match="dequantizes its weight at use"):
+        out = bf16(x)
+    assert bf16.matmul == "dequantize"
+    slow = fp8.Fp8Linear.from_linear(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16), matmul="dequantize")
+    slow.load_state_dict(bf16.state_dict())
+    assert torch.equal(out, slow(x))
+    with pytest.raises(RuntimeError):
+        forced(x)  # an explicit choice is not overridden
