@@ -38,6 +38,8 @@ FP32_BYTES = 4
 WEIGHT_BYTES_PER_PARAM = 2
 GRAD_BYTES_PER_PARAM = 2
 ADAM_BYTES_PER_PARAM = 12
+# An fp8 block linear keeps one float32 scale per output channel (executors/fp8.py).
+FP8_SCALE_BYTES = 4
 # Logits for the loss / log-softmax: the bf16 matmul output plus its fp32 upcast.
 LOGIT_BYTES = BF16_BYTES + FP32_BYTES
 SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "fsdp")
@@ -97,15 +99,41 @@ def matmul_params(dims: ModelDims) -> int:
     return dims.num_layers * layer_linear_params(dims) + embedding_params(dims)
 
 
-def weight_bytes(dims: ModelDims, bytes_per_param: float) -> float:
+def block_linear_rows(dims: ModelDims) -> int:
+    """Output channels of one block's linears: q (heads*hd), k and v (kv_heads*hd each), o (H), gate
+    and up (I each), down (H); an fp8 weight holds one scale per such row."""
+    return sum(shape[0] for m in LLAMA_LAYER if len(shape := m.shape(dims)) == 2)
+
+
+def weight_bytes(dims: ModelDims, bytes_per_param: float, rest_bytes_per_param: float | None = None) -> float:
     """Bytes of all weights when the block linears are stored at `bytes_per_param`.
 
-    Embedding, output head and norms are never stored below bf16 (fp8 serving stacks quantize only
-    the transformer-block linears), so fp8 roughly, not exactly, halves the weight bytes.
+    Embedding, output head and norms are never quantized (fp8 serving stacks quantize only the
+    transformer-block linears, and so do the executors): they stay at `rest_bytes_per_param`, by default
+    the larger of `bytes_per_param` and bf16 (a float32 model passes 4). Block linears stored below bf16
+    (fp8) also hold a float32 scale per output channel (`block_linear_rows`). So fp8 roughly, not
+    exactly, halves the weight bytes.
     """
     block_linear = dims.num_layers * layer_linear_params(dims)
     rest = param_count(dims) - block_linear
-    return block_linear * bytes_per_param + rest * max(bytes_per_param, BF16_BYTES)
+    rest_bytes = max(bytes_per_param, BF16_BYTES) if rest_bytes_per_param is None else rest_bytes_per_param
+    scales = dims.num_layers * block_linear_rows(dims) * FP8_SCALE_BYTES if bytes_per_param < BF16_BYTES else 0
+    return block_linear * bytes_per_param + scales + rest * rest_bytes
+
+
+def fp8_dequantizes(hw: HardwareSpec) -> bool:
+    """Whether fp8 weights on `hw` are expanded to the activations' dtype at use (CPU ranks: no fp8
+    matmul units) rather than multiplied in fp8 (`torch._scaled_mm` on fp8 tensor cores)."""
+    return hw.kind == "cpu"
+
+
+def read_bytes_per_param(hw: HardwareSpec, precision: str) -> float:
+    """Bytes per block-linear weight that a forward pass streams for its matmuls: the stored width, or
+    for fp8 weights that are dequantized at use, the unquantized width (the matmul reads the expanded
+    weight), so fp8 on such hardware saves memory but is never charged as faster."""
+    if precision == "fp8" and fp8_dequantizes(hw):
+        return BF16_BYTES
+    return PRECISION_BYTES[precision]
 
 
 def decode_weight_bytes_read(dims: ModelDims, bytes_per_param: float) -> float:
@@ -388,10 +416,11 @@ def generation_time(
       over steps of max(linear, linear) in the context is computed exactly in closed form.
     All sequences run in lockstep to the full response_len (no early stop, no continuous batching).
     fp8 stores the block linears in 1 byte and uses peak_fp8_flops (UnsupportedPrecisionError, a
-    ValueError, if the hardware has none); the KV cache stays at `kv_bytes_per_elem` (bf16).
+    ValueError, if the hardware has none); where fp8 is dequantized at use (`read_bytes_per_param`) the
+    weights read are the unquantized ones. The KV cache stays at `kv_bytes_per_elem` (bf16).
     """
     peak = _peak_flops(hw, precision)
-    bytes_per_param = PRECISION_BYTES[precision]
+    bytes_per_param = read_bytes_per_param(hw, precision)
     spans_nodes = not intra_node
     mem_rate = hw.memory_bandwidth * hw.memory_efficiency
     weights_read = decode_weight_bytes_read(dims, bytes_per_param) / tp
@@ -774,7 +803,7 @@ def forward_time(
     layers_per_stage = dims.num_layers / pp
     flops = tokens_per_micro_batch * forward_flops_per_token(dims, causal_mean_context(seq_len))
     flops_time = flops / (tp * pp) / (peak * hw.compute_efficiency)
-    read_time = decode_weight_bytes_read(dims, PRECISION_BYTES[precision]) / (tp * pp) / (
+    read_time = decode_weight_bytes_read(dims, read_bytes_per_param(hw, precision)) / (tp * pp) / (
         hw.memory_bandwidth * hw.memory_efficiency
     )
     compute = m * max(flops_time, read_time)

@@ -285,13 +285,13 @@ def _gen_per_sequence(p: Problem, role: Role, tp: int) -> float:
     return one.kv_cache + one.activations
 
 
-def _gen_bytes_per_param(role: Role, precision: str) -> float:
-    """fp8 stores 1 byte per weight; otherwise the model's own dtype (a float32 CPU model stores 4)."""
-    return cost.PRECISION_BYTES[precision] if precision == "fp8" else max(role.weight_bytes, cost.BF16_BYTES)
-
-
 def _gen_weights(role: Role, tp: int, precision: str) -> float:
-    return cost.weight_bytes(role.dims, _gen_bytes_per_param(role, precision)) / tp
+    """A generator's weight bytes per device: the model's own dtype (a float32 CPU model stores 4 bytes per
+    weight); with fp8, the block linears at 1 byte plus their scales and the rest still at the dtype."""
+    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)
+    if precision == "fp8":
+        return cost.weight_bytes(role.dims, cost.PRECISION_BYTES["fp8"], dtype_bytes) / tp
+    return cost.weight_bytes(role.dims, dtype_bytes) / tp
 
 
 # ------------------------------------------------------------------------------------------------
@@ -467,7 +467,10 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     role = p.generator
     assert role is not None
     hint = p.hint(role.name)
-    precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if p.hw.peak_fp8_flops > 0 else ["bf16"])
+    # fp8 is searched where it runs on fp8 matmul units; where it is dequantized at use (CPU) it only
+    # saves memory, so it is run when pinned.
+    native_fp8 = p.hw.peak_fp8_flops > 0 and not cost.fp8_dequantizes(p.hw)
+    precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if native_fp8 else ["bf16"])
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 
@@ -787,8 +790,9 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             t, b = reshard_in_place_time(p, train, gen)
             operations.append(Operation(
                 kind="reshard_in_place", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
-                detail=f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards" if b else
-                "the generator reads the trainer's weights in place"))
+                detail=(f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards" if b else
+                        "the generator reads the trainer's weights in place")
+                + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")))
             resident = resident_while_generating(mem)
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))

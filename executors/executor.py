@@ -53,6 +53,7 @@ from graphrl.tasks import REWARDS, resolve_callable
 
 from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
+from graphrl.executors import fp8
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
@@ -197,8 +198,9 @@ class RankExecutor:
             dims = spec.resolved_dims()
             dtype = _DTYPES[spec.dtype]
             if p.kind == "generate" and p.tp == 1 and colocated and p.model in self.roles and \
-                    self.roles[p.model].wrapping in ("local", "ddp"):
+                    self.roles[p.model].wrapping in ("local", "ddp") and p.precision != "fp8":
                 # Colocated: generation reads the trainer's own (replicated) weights; nothing to copy.
+                # An fp8 generator holds its own quantized copy, filled by the in-place reshard.
                 self.roles[p.role] = RoleState(p, self.roles[p.model].module)
                 continue
             torch.manual_seed(self.seed * 7919 + sum(map(ord, spec.init_from or p.model)))
@@ -212,6 +214,8 @@ class RankExecutor:
                 module.load_state_dict(state, strict=not is_critic)
             if p.kind == "generate" and p.tp > 1:
                 module = TensorParallelLlama.from_full(module, self._tensor_parallel_group(p))
+            if p.kind == "generate" and p.precision == "fp8":
+                module = fp8.quantize_generator(module)
             state = RoleState(p, module)
             if p.kind == "train":
                 lr = binding.lr
@@ -309,14 +313,16 @@ class RankExecutor:
 
         The plan counts mixed-precision Adam (2 + 2 + 12 bytes per parameter); a float32 model with AdamW
         holds 4 + 4 + 8: the kinds differ, the totals agree. Generation copies that share the trainer's
-        module (colocated) count once."""
-        modules, optimizers, planned = [], [], 0.0
+        module (colocated) count once. An fp8 generator counts its block linears at one byte per weight
+        plus their float32 scales (`fp8_state_bytes`), as its placement charges them."""
+        modules, optimizers, planned, fp8_bytes = [], [], 0.0, 0
         seen: set[int] = set()
         for role in self.roles.values():
             if id(role.module) in seen:
                 continue
             seen.add(id(role.module))
             modules.append(role.module)
+            fp8_bytes += fp8.held_bytes(role.module)[0]
             if role.optimizer is not None:
                 optimizers.append(role.optimizer)
             m = role.placement.memory_bytes
@@ -327,6 +333,7 @@ class RankExecutor:
         (folder / f"rank{self.rank}.json").write_text(json.dumps({
             "rank": self.rank, "roles": sorted(self.roles), "measured_state_bytes": measured,
             "planned_state_bytes": planned, "ratio": measured / planned if planned else None,
+            "fp8_state_bytes": fp8_bytes,
             "rollout_steps_held": sorted(self.pieces)}))
 
     def fail(self, ins: Instruction, reason: str) -> RunError:
@@ -610,6 +617,8 @@ class RankExecutor:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
         if isinstance(dst.module, TensorParallelLlama):  # each rank fills its shards; none gathers the model
             run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt)
+        elif fp8.is_quantized(dst.module):  # quantized here, tensor by tensor, from the trainer's weights
+            fp8.copy_quantized(dst.module, src.module)
         elif dst.module is not src.module:
             copy_full_weights(dst.module, src.module)
         dst.version = ins.version

@@ -99,8 +99,8 @@ class Runtime:
         torch.cuda.synchronize(self.device)
 
     def device_bytes(self, modules: list[nn.Module], optimizers: list[Any]) -> int:
-        """Bytes of parameters, gradients and optimizer state this rank holds on its device (the local
-        shard of a sharded tensor)."""
+        """Bytes of parameters (with the buffers that belong to them: an fp8 layer's scales), gradients
+        and optimizer state this rank holds on its device (the local shard of a sharded tensor)."""
 
         def local_bytes(t: Tensor) -> int:
             t = t.to_local() if hasattr(t, "to_local") else t
@@ -112,6 +112,8 @@ class Runtime:
                 total += local_bytes(p.data if not hasattr(p, "to_local") else p)
                 if p.grad is not None:
                     total += local_bytes(p.grad)
+            for b in m.buffers():
+                total += local_bytes(b)
         for opt in optimizers:
             for st in opt.state.values():
                 for v in st.values():

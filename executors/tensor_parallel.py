@@ -168,12 +168,13 @@ class TensorParallelLlama(Llama):
     def _replicated(self, name: str) -> bool:
         return self.kv_replicas > 1 and name.split(".")[-2] in _KV
 
-    def shards(self) -> dict[str, tuple[Tensor, Region]]:
+    def shards(self, tensors: Mapping[str, Tensor] | None = None) -> dict[str, tuple[Tensor, Region]]:
         """Per parameter, the tensor the weight sync writes and the full-tensor region it is (the
-        plan's region; for a replicated KV head, a view of the rank's block inside its head)."""
+        plan's region; for a replicated KV head, a view of the rank's block inside its head).
+        `tensors` stands in for some parameters (same local shapes): an fp8 generator's staging."""
         out = {}
         for name, shape in self.full_shapes().items():
-            p = self.get_parameter(name)
+            p = tensors[name] if tensors is not None and name in tensors else self.get_parameter(name)
             region = tp_region(name, shape, self.tp.rank, self.tp.size)
             if self._replicated(name):
                 (a, b), (head_a, head_b) = region[0], self._kv_head_rows(shape[0])
@@ -200,13 +201,13 @@ class TensorParallelLlama(Llama):
                 self.get_parameter(name).copy_(full[tuple(slice(a, b) for a, b in region)])
 
     @torch.no_grad()
-    def complete_kv_heads(self) -> None:
+    def complete_kv_heads(self, tensors: Mapping[str, Tensor] | None = None) -> None:
         """After a weight sync wrote each rank's block of k/v rows: fill the rest of every replicated
         KV head from the group's other ranks (one all-gather of all layers' blocks). A collective over
-        the group; a no-op when every rank holds whole heads."""
+        the group; a no-op when every rank holds whole heads. `tensors` as for `shards`."""
         if self.kv_replicas == 1:
             return
-        shards = self.shards()
+        shards = self.shards(tensors)
         names = [n for n in shards if self._replicated(n)]
         blocks = [shards[n][0] for n in names]
         sizes = [b.numel() for b in blocks]
@@ -218,7 +219,8 @@ class TensorParallelLlama(Llama):
         offset = 0
         for name, block, n in zip(names, blocks, sizes):
             head_rows = torch.cat([gathered[q][offset:offset + n].view(block.shape) for q in peers])
-            self.get_parameter(name).copy_(head_rows)
+            target = tensors[name] if tensors is not None and name in tensors else self.get_parameter(name)
+            target.copy_(head_rows)
             offset += n
 
     # -- generation --------------------------------------------------------------------------------

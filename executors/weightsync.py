@@ -22,7 +22,8 @@ plan (a few hundred microseconds otherwise, on the critical path before the firs
 
 `execute_weight_sync` runs the stored plan (what `compiler/weight_sync.py:ddma_record` writes) on shards;
 `run_weight_sync` is the executor's entry point for whole modules: full, FSDP2-sharded (DTensor) or
-tensor-parallel generators (`tensor_parallel.py`), whose shards are the plan's regions.
+tensor-parallel generators (`tensor_parallel.py`), whose shards are the plan's regions, in the model's
+dtype or in fp8 (`fp8.py`: received into full-precision staging, quantized on arrival).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from graphrl.errors import RunError
 from graphrl.schemas.sharding import Region
 from graphrl.schemas.weightsync import WeightSyncRecord
+from graphrl.executors import fp8
 from graphrl.executors.tensor_parallel import TensorParallelLlama
 
 ShardMap = Mapping[str, tuple[Tensor, Region]]  # param name -> (local tensor, region of the full tensor it holds)
@@ -166,25 +168,35 @@ def run_weight_sync(data: WeightSyncRecord, rank: int, src: nn.Module | None, ds
     """`execute_weight_sync` for whole modules, each side's shards as `module_shards` finds them (`rt`
     gives `comm_device` and `device`). The trainer and generator copies of a model share its dtype,
     so a pure receiver takes its own as the wire dtype. A tensor-parallel generator whose KV heads are
-    replicated then completes them over its group."""
-    src_shards, dst_shards = module_shards(src), module_shards(dst)
+    replicated then completes them over its group.
+
+    An fp8 generator (`fp8.py`) receives its quantized weights into full-precision staging tensors of
+    the wire dtype, completes its KV heads there, and quantizes them into its fp8 layers at the end:
+    the wire carries the trainer's bytes, the destination keeps fp8 and scales."""
+    staged = fp8.staging_tensors(dst)
+    src_shards, dst_shards = module_shards(src), module_shards(dst, staged)
     held = next(iter(src_shards.values()), None) or next(iter(dst_shards.values()), None)
     execute_weight_sync(data, rank, src_shards, dst_shards, rt.comm_device, rt.device,
                         wire_dtype=held[0].dtype if held is not None else torch.float32)
     if isinstance(dst, TensorParallelLlama):
-        dst.complete_kv_heads()
+        dst.complete_kv_heads(staged)
+    if staged:
+        fp8.load_staged(dst, staged)  # type: ignore[arg-type]
 
 
-def module_shards(module: nn.Module | None) -> dict[str, tuple[Tensor, Region]]:
+def module_shards(module: nn.Module | None, staged: Mapping[str, Tensor] | None = None
+                  ) -> dict[str, tuple[Tensor, Region]]:
     """What a module holds of each full parameter: a tensor-parallel generator's shards (the plan's
     regions), a DTensor parameter's local piece (FSDP2) with the region DTensor says it covers, or a
-    plain parameter whole."""
+    plain parameter whole. `staged` stands in for some parameters (an fp8 generator's staging)."""
     if module is None:
         return {}
     if isinstance(module, TensorParallelLlama):
-        return module.shards()
+        return module.shards(staged)
     out: dict[str, tuple[Tensor, Region]] = {}
     for name, p in _params(module).items():
+        if staged is not None and name in staged:
+            p = staged[name]
         if isinstance(p, DTensor):
             local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             out[name] = (p.to_local(), tuple((o, o + n) for o, n in zip(offset, local_shape)))

@@ -418,7 +418,9 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         side_by_side = min(max_ranks, os.cpu_count() or 1) if with_p2p else 1
         report(f"timing the executor's model code on probe models ({side_by_side} process(es) side by side)...")
         probes = probe_side_by_side(side_by_side)
-        measured = base.model_copy(update=dict(peak_bf16_flops=peak, memory_bandwidth=mem_bw, host_link_bandwidth=mem_bw))
+        # fp8 weights are dequantized at use on a CPU: the same matmul rate as unquantized ones.
+        measured = base.model_copy(update=dict(peak_bf16_flops=peak, peak_fp8_flops=peak, memory_bandwidth=mem_bw,
+                                               host_link_bandwidth=mem_bw))
         fitted = fit_host_model(probes, measured)
         for p in probes:
             pred = predicted_probe_s(p, fitted)

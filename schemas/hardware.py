@@ -127,9 +127,10 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     ),
     # Defaults for a CPU "device" (one rank = one process, one thread), rounded from `graphrl calibrate`
     # on a 2-core x86-64 cloud VM; a calibration file replaces them with this machine's figures. Plans
-    # stay deterministic either way.
+    # stay deterministic either way. fp8 weights are dequantized at use on a CPU (executors/fp8.py), so
+    # its fp8 rate is its unquantized rate: fp8 generation saves memory here, never time.
     "cpu-local": HardwareSpec(
-        name="cpu-local", kind="cpu", peak_bf16_flops=90e9, peak_fp8_flops=0.0,
+        name="cpu-local", kind="cpu", peak_bf16_flops=90e9, peak_fp8_flops=90e9,
         memory_bytes=4 * GiB, memory_bandwidth=12 * GB, intra_node_bandwidth=2 * GB,
         inter_node_bandwidth=1 * GB, host_link_bandwidth=12 * GB, link_latency_s=200e-6,
         compute_efficiency=0.35, memory_efficiency=1.0, link_efficiency=1.0, op_overhead_s=140e-6,

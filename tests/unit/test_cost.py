@@ -26,6 +26,7 @@ from graphrl.compiler.cost import (
     train_flops,
     training_memory,
     training_step_time,
+    weight_bytes,
 )
 from graphrl.errors import GraphRLError
 from graphrl.schemas.hardware import HARDWARE_PRESETS, HardwareSpec
@@ -179,10 +180,11 @@ def test_generation_time_by_hand() -> None:
 
 
 def test_generation_time_fp8() -> None:
-    # fp8: block linears 1152 at 1 byte, the rest (2792-1152 = 1640) at 2 bytes, minus the 1600-byte
-    # embedding -> 1152 + 3280 - 1600 = 2832 bytes read per step.
-    # prefill: max(38016/2e12, 2832/1e11 = 2.832e-8); steps: (2832 + 32c)/1e11 for c = 10, 11
-    expected = 2.832e-8 + 3.152e-8 + 3.184e-8
+    # fp8: block linears 1152 at 1 byte, their float32 scales (2 layers x 64 output rows x 4 = 512), the
+    # rest (2792-1152 = 1640) at 2 bytes, minus the 1600-byte embedding -> 1152 + 512 + 3280 - 1600 = 3344
+    # bytes read per step.
+    # prefill: max(38016/2e12, 3344/1e11 = 3.344e-8); steps: (3344 + 32c)/1e11 for c = 10, 11
+    expected = 3.344e-8 + 3.664e-8 + 3.696e-8
     assert generation_time(TOY, 1, 9, 3, 1, "fp8", TOY_HW, True) == pytest.approx(expected)
 
 
@@ -347,8 +349,8 @@ def test_inference_memory_generator_by_hand() -> None:
     # 2*8*2 (residual + normed) + 3*16*2 (SwiGLU) + 100*6 (logits) = 728, times 2 tokens
     mem = inference_memory(TOY, tp=1, pp=1, precision="bf16", batch=2, context_len=10)
     assert mem == MemoryBreakdown(params=5584, activations=1456, kv_cache=640)
-    # fp8: block linears 1152 * 1 + the rest 1640 * 2
-    assert inference_memory(TOY, tp=1, pp=1, precision="fp8", batch=2, context_len=10).params == 4432
+    # fp8: block linears 1152 * 1 + a float32 scale per output row (2 layers x 64 rows x 4) + the rest 1640 * 2
+    assert inference_memory(TOY, tp=1, pp=1, precision="fp8", batch=2, context_len=10).params == 1152 + 512 + 3280
     # tp=2: one KV head cannot split, so the KV cache is replicated, not halved
     assert inference_memory(TOY, tp=2, pp=1, precision="bf16", batch=2, context_len=10).kv_cache == 640
 
@@ -481,3 +483,23 @@ def test_forward_cheaper_than_training() -> None:
     train = training_step_time(L8B, **kw, fsdp=1, sharding="none", recompute=False, intra_node_tp=True,
                                dp_spans_nodes=False)
     assert fwd.compute_s == pytest.approx(train.compute_s / 3, rel=0.01)
+
+
+def test_fp8_on_a_cpu_is_charged_at_the_unquantized_rate() -> None:
+    """fp8 weights on a CPU are dequantized at use: the cost model must not predict fp8 generation there
+    faster than unquantized generation (it did when fp8 read 1 byte per weight), only smaller."""
+    cpu = TOY_HW.model_copy(update=dict(kind="cpu", peak_fp8_flops=TOY_HW.peak_bf16_flops))
+    assert generation_time(TOY, 4, 9, 5, 1, "fp8", cpu, True) == pytest.approx(
+        generation_time(TOY, 4, 9, 5, 1, "bf16", cpu, True))
+    assert generation_time(TOY, 4, 9, 5, 1, "fp8", TOY_HW, True) < generation_time(TOY, 4, 9, 5, 1, "bf16", TOY_HW, True)
+    fp8 = inference_memory(TOY, tp=1, pp=1, precision="fp8", batch=2, context_len=10).params
+    assert fp8 < inference_memory(TOY, tp=1, pp=1, precision="bf16", batch=2, context_len=10).params
+
+
+def test_weight_bytes_keeps_the_rest_at_the_model_dtype() -> None:
+    """A float32 model's fp8 generator keeps embedding, head and norms at 4 bytes (as the executors hold
+    them), its block linears at 1 byte plus a float32 scale per output row."""
+    block = TOY.num_layers * 576  # 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16 per layer
+    rest = 2792 - block
+    assert weight_bytes(TOY, 1, 4) == block + TOY.num_layers * 64 * 4 + rest * 4
+    assert weight_bytes(TOY, 4) == 2792 * 4

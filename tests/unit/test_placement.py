@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from graphrl.cli import main
 from graphrl.compiler.compile import compile_job
 from graphrl.errors import PlacementError
-from graphrl.loader import job_cluster, load_job, load_job_text
+from graphrl.loader import apply_overrides, job_cluster, load_job, load_job_text, parse_override
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -83,7 +83,7 @@ def _job_with(placement: str, cluster: str = "local-cpu-2", preset: str = "tiny-
     ("placement:\n  roles:\n    policy: {devices: '0-7'}\n", "placement.roles.policy.devices", "outside the cluster"),
     ("placement:\n  roles:\n    policy: {pp: 5}\n", "placement.roles.policy.pp", "larger than the 2 layers"),
     ("placement:\n  roles:\n    critic: {tp: 1}\n", "placement.roles.critic", "unknown role"),
-    ("placement:\n  roles:\n    policy/generate: {precision: fp8}\n", "placement.roles.policy/generate.precision", "no fp8"),
+    ("placement:\n  roles:\n    policy: {precision: fp8}\n", "placement.roles.policy.precision", "only generation"),
 ])
 def test_impossible_pins_name_the_field(tmp_path, placement, field, words):
     path = tmp_path / "job.yaml"
@@ -93,6 +93,29 @@ def test_impossible_pins_name_the_field(tmp_path, placement, field, words):
     assert "Traceback" not in out.output
     assert field in out.output and words in out.output
     assert f"{path}:" in out.output  # located in the file
+
+
+def test_fp8_pin_on_hardware_without_fp8_names_the_field(tmp_path):
+    (tmp_path / "a100.yaml").write_text("name: a100-2\nnum_nodes: 1\ndevices_per_node: 2\nhardware: a100-sxm-80gb\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(_job_with("placement:\n  roles:\n    policy/generate: {precision: fp8}\n", cluster="a100.yaml"))
+    out = CliRunner().invoke(main, ["compile", str(path), "--plan"])
+    assert out.exit_code == 2, out.output
+    assert "placement.roles.policy/generate.precision" in out.output and "no fp8" in out.output
+
+
+def test_cpu_runs_fp8_generation_only_when_pinned():
+    """cpu-local dequantizes fp8 at use, so fp8 saves memory there but no time: the search keeps the
+    unquantized generator, and a pin gets an fp8 generator charged less weight memory."""
+    plain = compile_example("grpo_tiny.yaml")
+    job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"),
+                          [parse_override("placement.roles.policy/generate.precision=fp8")])
+    pinned = compile_job(job, job_cluster(job, None), steps=4)
+    gen = {p.role: p for p in plain.chosen.placements}["policy/generate"]
+    gen_fp8 = {p.role: p for p in pinned.chosen.placements}["policy/generate"]
+    assert gen.precision == "bf16" and gen_fp8.precision == "fp8"
+    assert gen_fp8.memory_bytes.params < 0.6 * gen.memory_bytes.params
+    assert pinned.chosen.estimate.step_time_s >= plain.chosen.estimate.step_time_s
 
 
 def test_job_that_fits_nowhere_names_role_bytes_and_fix(tmp_path):
