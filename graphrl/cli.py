@@ -520,13 +520,16 @@ def report(run_dir: Path, fmt: str, output: Path | None, width: int, warmup_step
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-def import_cmd(source: Path, out_dir: Path, dtype: str) -> None:
-    """Convert a GGUF file or Hugging Face folder once into a safetensors folder with its tokenizer."""
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if an earlier `graphrl import` wrote it (never another folder).")
+def import_cmd(source: Path, out_dir: Path, dtype: str, force: bool) -> None:
+    """Convert a GGUF file or Hugging Face folder once into a safetensors folder with its tokenizer.
+    OUT_DIR must be new or empty (with --force: an earlier import's folder)."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from graphrl.models import import_checkpoint
+    from graphrl.models import check_import_target, import_checkpoint
 
+    check_import_target(source, out_dir, force)  # before the progress bar: a refusal is one clean line
     stages = ["reading weights", "building model", "reading tokenizer", "writing safetensors"]
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task("import", total=len(stages))
@@ -534,7 +537,7 @@ def import_cmd(source: Path, out_dir: Path, dtype: str) -> None:
         def progress(stage: str) -> None:
             bar.update(task, description=stage, completed=stages.index(stage))
 
-        folder = import_checkpoint(source, out_dir, getattr(torch, dtype), progress=progress)
+        folder = import_checkpoint(source, out_dir, getattr(torch, dtype), progress=progress, force=force)
         bar.update(task, description="done", completed=len(stages))
     click.echo(f"wrote {folder}: point a model's `checkpoint:` at it")
 
