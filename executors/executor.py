@@ -55,6 +55,7 @@ from graphrl.compiler.semantics import SEMANTICS
 from graphrl.compiler.weight_sync import policy_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
+from graphrl.executors.guards import check_rewards, check_update, check_weights, reward_tensor
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
                                       finish_checkpoint)
@@ -452,7 +453,11 @@ class RankExecutor:
                 raise self.fail(ins, f"{exc} of step {ins.step}, rollout {ins.start + exc.index}; prompt {prompt!r}") from exc
         elif spec.fn is not None:
             fn = resolve_callable(spec.fn, REWARDS, "reward function")
-            rewards = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"]).float()
+            result = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            try:
+                rewards = reward_tensor(result, ins.stop - ins.start, f"reward node {ins.node!r}: function {spec.fn!r}")
+            except RunError as exc:
+                raise RunError(f"step {ins.step}: {exc.message}", fix=exc.fix) from None
         else:
             role = self._forward_role(ins)
             with torch.no_grad():
@@ -461,6 +466,10 @@ class RankExecutor:
             rewards = values.gather(1, last[:, None]).squeeze(1).float()
         if rewards.shape != (ins.stop - ins.start,):
             raise self.fail(ins, f"reward function returned shape {tuple(rewards.shape)}, expected ({ins.stop - ins.start},)")
+        made_by = f"rules {', '.join(spec.rules)}" if spec.rules else f"function {spec.fn!r}" if spec.fn else \
+            f"reward model {spec.model!r}"
+        check_rewards(rewards, f"reward node {ins.node!r} ({made_by})", ins.step, ins.start,
+                      lambda i: self.source.decode(r["prompt_ids"][i:i + 1], r["prompt_mask"][i:i + 1])[0])
         self.values[(ins.step, ins.node, "rewards")] = rewards
         if ins.start == 0:  # the first responses of each step, written once whichever rank scores them
             n = min(self.samples.per_step, ins.stop - ins.start)
@@ -519,6 +528,7 @@ class RankExecutor:
             loss = loss * scale
             loss.backward()  # DDP / FSDP2 average the gradients over the trainer's data-parallel ranks
             grad_norm = clip_grad_norm(list(role.module.parameters()), a.max_grad_norm)
+            check_update(float(loss.detach()), float(grad_norm), node=ins.node, step=ins.step)
             role.optimizer.step()
             metrics["loss"] = float(loss.detach())
             metrics["grad_norm"] = float(grad_norm)
@@ -663,6 +673,7 @@ class RankExecutor:
         # only the reporting rank keeps them, in host memory, and saves them once.
         weights = {name: full_state_dict(r.module, keep=self.is_reporter, to_host=True) for name, r in roles.items()}
         if self.is_reporter:
+            check_weights(weights, ins.step)  # before anything is written: a NaN checkpoint never exists
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         self._barrier(group)

@@ -9,12 +9,28 @@ checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file, save_file
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """One JSON line; a NaN or infinite number is written as null (bare `NaN` is not JSON, and readers
+    of metrics.jsonl such as `jq` or a browser refuse the whole file for it)."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(row), allow_nan=False) + "\n"
 
 
 class MetricsWriter:
@@ -39,7 +55,7 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled or self._file is None:
             return
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json_line(row))
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -73,7 +89,7 @@ class SamplesWriter:
                    "response": response}
             if answers is not None:
                 row["answer"] = answers[i]
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(json_line(row))
 
     def close(self) -> None:
         if self._file is not None:

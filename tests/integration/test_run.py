@@ -234,3 +234,32 @@ def test_ranks_that_do_not_train_keep_only_the_rollouts_still_to_be_read(tmp_pat
     assert generator["roles"] == ["policy/generate"] and generator["rollout_steps_held"] == [5]
     assert trainer["rollout_steps_held"] == []
     assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
+
+
+def test_a_nan_reward_fails_the_run_and_leaves_no_nan_checkpoint(tmp_path):
+    """A NaN reward was accepted: the run exited 0 with `loss nan`, `latest` pointed at a checkpoint whose
+    weights were all NaN and metrics.jsonl held bare NaN. Now the run stops at the step that made it
+    (exit 2), naming the node, the function, the step and the prompt, and the newest checkpoint is the
+    one before it, with finite weights."""
+    import torch
+
+    from graphrl.executors.outputs import latest_checkpoint, load_checkpoint
+
+    code, output = _run_subprocess(_faulty_job(tmp_path, "nan_at_step_two"), tmp_path / "run")
+    assert code == 2, output
+    assert "reward node 'score'" in output and "faulty_rewards:nan_at_step_two" in output
+    assert "step 2, rollout" in output and "prompt" in output and "Traceback" not in output
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt is not None and ckpt.name == "step_000001"
+    weights = load_checkpoint(ckpt)["roles"]["policy"]["weights"]
+    assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # strict enough: Python accepts NaN, so check the text too
+        assert "NaN" not in line
+
+
+def test_a_reward_function_returning_a_string_fails_naming_it(tmp_path):
+    code, output = _run_subprocess(_faulty_job(tmp_path, "returns_a_string"), tmp_path / "run")
+    assert code == 2, output
+    assert "faulty_rewards:returns_a_string" in output and "returned a str" in output
+    assert "AttributeError" not in output
