@@ -26,7 +26,8 @@ from graphrl.schemas.model import ModelDims
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def _has_tokenizer(path: Path) -> bool:
+def has_tokenizer(path: Path) -> bool:
+    """Whether a checkpoint holds a tokenizer (a GGUF file always does)."""
     return is_gguf(path) or any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
@@ -41,7 +42,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     model = Llama(dims, device="meta")
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval()
-    tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
+    tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
     return model, tokenizer
 
 
@@ -108,7 +109,7 @@ def import_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(dtype)
     say("reading tokenizer")
-    tokenizer = load_tokenizer(source) if _has_tokenizer(source) else None
+    tokenizer = load_tokenizer(source) if has_tokenizer(source) else None
     tmp = target.with_name(f".{target.name}.import-{os.getpid()}")
     target.parent.mkdir(parents=True, exist_ok=True)
     say("writing safetensors")
@@ -130,7 +131,7 @@ def import_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     return out_dir
 
 
-__all__ = ["IMPORT_MARKER", "check_import_target", "checkpoint_dims", "export_trained", "from_pretrained", "import_checkpoint", "load_tokenizer", "save_pretrained"]
+__all__ = ["IMPORT_MARKER", "check_import_target", "checkpoint_dims", "export_trained", "from_pretrained", "has_tokenizer", "import_checkpoint", "load_tokenizer", "save_pretrained"]
 
 
 def export_trained(folder: str | Path, dims: ModelDims, weights: dict[str, torch.Tensor],
@@ -146,6 +147,6 @@ def export_trained(folder: str | Path, dims: ModelDims, weights: dict[str, torch
     dtype = next(iter(tensors.values())).dtype
     (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_source is not None and _has_tokenizer(Path(tokenizer_source)):
+    if tokenizer_source is not None and has_tokenizer(Path(tokenizer_source)):
         load_tokenizer(tokenizer_source).save_pretrained(str(folder))
     return folder
