@@ -125,8 +125,12 @@ def _run_subprocess(job: Path, out_dir: Path) -> tuple[int, str]:
 
 
 def _no_rank_processes_left(out_dir: Path) -> bool:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return str(out_dir / "plan.msgpack") not in ps and "multiprocessing.spawn" not in ps
+    """No rank of this run is left: none names its plan, and no spawned process of this interpreter
+    (other checkouts' test runs on a shared machine spawn theirs from their own interpreters) is running."""
+    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout.splitlines()
+    running = [line.split(None, 1)[-1] for line in ps if not line.startswith("Z")]
+    return not any(str(out_dir / "plan.msgpack") in args or (args.startswith(sys.executable) and
+                                                             "multiprocessing.spawn" in args) for args in running)
 
 
 def test_exception_in_a_rank_ends_the_run_naming_it(tmp_path):
