@@ -110,7 +110,9 @@ def test_resumed_run_gives_the_uninterrupted_metrics(case: str, tmp_path: Path) 
 # model, examples/arith/make_arith_data.py --model). A run of SHORT steps, then --resume to LONG, must
 # give the LONG-step run's metrics.
 SHORT, LONG = 2, 4
-RUNNABLE = ["grpo_tiny.yaml", "grpo_tiny.py", "aipo_async_tiny.yaml", "ppo_tiny.yaml", "grpo_smollm2_arith.yaml"]
+RUNNABLE = ["grpo_tiny.yaml", "grpo_tiny.py", "aipo_async_tiny.yaml", "ppo_tiny.yaml", "grpo_smollm2_arith.yaml",
+            # two steps off-policy: the continuation reads version 0 (rebuilt from the seed) and version 1 (kept)
+            "aipo_async_tiny.yaml:schedule.max_staleness=2"]
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -126,11 +128,12 @@ def test_a_finished_run_continues_to_more_steps(example: str, tmp_path: Path) ->
     a longer run's generator reads, and the continued run's metrics are the longer run's."""
     if example == "grpo_smollm2_arith.yaml" and not (EXAMPLES / "data" / "smollm2-135m").is_dir():
         pytest.skip("needs examples/arith/make_arith_data.py --model (a downloaded model)")
-    job = str(EXAMPLES / example)
+    name, _, setting = example.partition(":")
+    job, sets = str(EXAMPLES / name), ("--set", setting) if setting else ()
     full, part = tmp_path / "full", tmp_path / "part"
-    assert _cli("run", job, "--steps", str(LONG), "--out", str(full))[0] == 0
-    assert _cli("run", job, "--steps", str(SHORT), "--out", str(part))[0] == 0
-    code, output = _cli("run", job, "--steps", str(LONG), "--out", str(part), "--resume")
+    assert _cli("run", job, "--steps", str(LONG), "--out", str(full), *sets)[0] == 0
+    assert _cli("run", job, "--steps", str(SHORT), "--out", str(part), *sets)[0] == 0
+    code, output = _cli("run", job, "--steps", str(LONG), "--out", str(part), "--resume", *sets)
     assert code == 0, output
     keys = ("step", "reward_mean", "loss", "weight_version")
     assert [[r[k] for k in keys] for r in rows(part)] == [[r[k] for k in keys] for r in rows(full)]
