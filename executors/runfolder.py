@@ -11,6 +11,7 @@ after the checkpoint and runs again is recorded once.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -67,13 +68,19 @@ def read_record(out_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def prepare_run_folder(out_dir: Path, spec: Any, *, resume: bool, overwrite: bool) -> None:
-    """Check that a new run may write `out_dir`, and make it writable: refuse a folder with another
-    run (without --resume/--overwrite), a resume of another job, or a folder that cannot be written."""
+def check_run_folder(out_dir: Path, spec: Any, *, resume: bool, overwrite: bool) -> None:
+    """Refuse, before compiling and without writing anything, a run that may not write `out_dir`: a
+    folder with another run (without --resume/--overwrite), a resume of another job, a folder that
+    cannot be created or written."""
     if resume and overwrite:
         raise RunError("--resume and --overwrite contradict each other", fix="pass one of them")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OutputError(f"run folder {out_dir} is a file", fix="pass --out with a folder")
+    existing = next((p for p in (out_dir, *out_dir.absolute().parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise OutputError(f"run folder {out_dir} cannot be written ({existing} is a file)",
+                          fix="pass --out with a folder")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"run folder {out_dir} cannot be written ({existing} is not writable)",
+                          fix="pass --out with a folder you can write")
     previous = out_dir.is_dir() and has_previous_run(out_dir)
     if resume:
         record = read_record(out_dir)
@@ -86,7 +93,13 @@ def prepare_run_folder(out_dir: Path, spec: Any, *, resume: bool, overwrite: boo
     elif previous and not overwrite:
         raise RunError(f"run folder {out_dir} already holds a run", fix="pass --resume to continue it, --overwrite "
                        "to replace it (deletes its metrics and checkpoints), or --out with another folder")
-    elif previous and overwrite:
+
+
+def prepare_run_folder(out_dir: Path, spec: Any, *, resume: bool, overwrite: bool) -> None:
+    """`check_run_folder`, then make the folder: with --overwrite, delete what earlier runs wrote there
+    (only those files), and create it."""
+    check_run_folder(out_dir, spec, resume=resume, overwrite=overwrite)
+    if overwrite and out_dir.is_dir() and has_previous_run(out_dir):
         for name in RUN_OUTPUTS:
             target = out_dir / name
             if target.is_dir():
@@ -143,5 +156,5 @@ def remove_records(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
-__all__ = ["RUN_OUTPUTS", "RUN_RECORD", "differences", "has_previous_run", "job_identity", "prepare_run_folder",
+__all__ = ["RUN_OUTPUTS", "RUN_RECORD", "check_run_folder", "differences", "has_previous_run", "job_identity", "prepare_run_folder",
            "record_run", "rewind_records"]

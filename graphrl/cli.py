@@ -416,13 +416,15 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
     """Compile JOB and run it: one process per rank on this machine."""
     from graphrl.executors.launcher import launch_local
     from graphrl.executors.outputs import checkpoint_layout, latest_checkpoint
-    from graphrl.executors.runfolder import prepare_run_folder, record_run, remove_records, rewind_records
+    from graphrl.executors.runfolder import (check_run_folder, prepare_run_folder, record_run, remove_records,
+                                            rewind_records)
 
     loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
     out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
-    prepare_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # before minutes of compiling
+    check_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # before minutes of compiling
     plan = compile_loaded(loaded, cluster)
     refuse_unrunnable(plan, loaded)
+    prepare_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # nothing written before here
     total = plan.programs.steps if plan.programs else 0
     start_step, resume_from = 0, None
     if resume:
