@@ -499,7 +499,8 @@ class RankExecutor:
             except RewardRuleError as exc:
                 prompt = self.source.decode(r["prompt_ids"][exc.index:exc.index + 1],
                                             r["prompt_mask"][exc.index:exc.index + 1])[0]
-                raise self.fail(ins, f"{exc} of step {ins.step}, rollout {ins.start + exc.index}; prompt {prompt!r}") from exc
+                raise self.fail(ins, f"reward node {ins.node!r}: {exc} of step {ins.step}, rollout {ins.start + exc.index}; "
+                                     f"prompt {prompt!r}") from exc
         elif spec.fn is not None:
             fn = resolve_callable(spec.fn, REWARDS, "reward function")
             result = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
