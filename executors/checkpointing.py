@@ -66,8 +66,12 @@ def load_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: t
                        fix="resume from a checkpoint written by this version of graphrl, or start without --resume")
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    with _one_rank_quietly():
-        dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+    try:
+        with _one_rank_quietly():
+            dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+    except Exception as exc:  # DCP wraps each rank's failure; the first line of its reason names the file
+        raise RunError(f"checkpoint {root}: cannot load the state of {role} from {folder}: {_reason(exc)}",
+                       fix="resume from an earlier checkpoint (move this one aside), or start without --resume") from exc
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -89,13 +93,29 @@ def load_inflight(root: Path, rank: int | None, device: torch.device) -> dict[in
     for path in paths:
         if not path.exists():
             continue
-        for step, pieces in torch.load(path, weights_only=True).items():
+        try:
+            held = torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise RunError(f"checkpoint {root}: cannot read the rollouts in {path}: {_reason(exc)}",
+                           fix="resume from an earlier checkpoint (move this one aside)") from exc
+        for step, pieces in held.items():
             for a, b, data in pieces:
                 key = (int(step), int(a), int(b))
                 if key not in seen:
                     seen.add(key)
                     out.setdefault(int(step), []).append((int(a), int(b), {k: v.to(device) for k, v in data.items()}))
     return out
+
+
+def _reason(exc: BaseException) -> str:
+    """A one-line reason from an exception that may span many lines (DCP's CheckpointException holds
+    every rank's traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 __all__ = ["load_inflight", "load_role_state", "save_inflight", "save_role_state"]

@@ -55,9 +55,10 @@ from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8
 from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
+from graphrl.executors.guards import check_rewards, check_update, check_weights, reward_tensor
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
-                                      finish_checkpoint)
+                                      finish_checkpoint, versions_ahead_file)
 from graphrl.executors.parallel import (clip_grad_norm, copy_full_weights, full_state_dict, tensor_parallel_infer,
                                         trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
@@ -156,6 +157,12 @@ class RankExecutor:
         self.last_train_end = time.perf_counter()
         self.roles: dict[str, RoleState] = {}
         self.restored_steps: frozenset[int] = frozenset()
+        # Weight versions a longer run's generator reads after this run's last step (an asynchronous
+        # schedule generates step k+1 with weights older than the last ones): kept as they are trained,
+        # written into the last checkpoint, so `--resume` to more steps continues this run exactly.
+        self.versions_for_continuation = self._versions_a_continuation_reads()
+        self.kept_versions: dict[int, dict[str, Tensor]] = {}
+        self.saved_versions: dict[tuple[str, int], Path] = {}
         self._build_roles(resume_state)
         self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
         self.dispatch: dict[type, Callable[[Any], None]] = {
@@ -250,6 +257,9 @@ class RankExecutor:
                 assert role.optimizer is not None
                 load_role_state(root, name, role.module, role.optimizer, self._role_group(role))
                 role.version = int(info["version"])
+        for model, versions in saved.get("versions_ahead", {}).items():
+            for version in versions:
+                self.saved_versions[(model, int(version))] = root / versions_ahead_file(model, int(version))
         same_layout = saved.get("layout") == checkpoint_layout(self.plan)
         self.pieces.update(load_inflight(root, self.rank if same_layout else None, self.rt.device))
         self.restored_steps = frozenset(saved["inflight_steps"])
@@ -271,11 +281,17 @@ class RankExecutor:
                 for self.index, ins in enumerate(self.programs.rank_stream(self.rank)):
                     self._release_old_steps(getattr(ins, "step", None))
                     if self.start_step and self._done_before_checkpoint(ins):
+                        self._restore_saved_version(ins)
                         continue
                     with self.profiler.at(ins):
                         start = now()
                         self.dispatch[type(ins)](ins)
                         self.spans.record(ins, start, now())
+                    if isinstance(ins, TrainStep) and ins.role == self.policy_role and \
+                            ins.version in self.versions_for_continuation:
+                        kept = full_state_dict(self.roles[ins.role].module, keep=self.is_reporter, to_host=True)
+                        # a copy: on a host device the gathered tensors are the live parameters themselves
+                        self.kept_versions[ins.version] = {k: v.detach().clone() for k, v in kept.items()}
             finally:
                 self.spans.write(self.out_dir / "timeline")
                 self.metrics.close()
@@ -307,6 +323,40 @@ class RankExecutor:
         if entry.weights == "sets":
             return ins.version < self.start_step  # type: ignore[union-attr]
         return entry.rollout and step in self.restored_steps
+
+    def _versions_a_continuation_reads(self) -> frozenset[int]:
+        """The policy's weight versions older than its last one that a longer run's Generate
+        instructions after this run's last step may read: none for a synchronous schedule (step i reads
+        version i); for an asynchronous one, step i reads a version of at least i - max_staleness, so
+        versions steps - max_staleness .. steps - 1 (version 0, the initial weights, every rank rebuilds).
+        A short run's programs have no loop body to extend, so the bound, not the programs, decides."""
+        if self.job.schedule.mode != "async":
+            return frozenset()
+        steps = self.programs.steps
+        return frozenset(range(max(1, steps - self.job.schedule.max_staleness), steps))
+
+    def _restore_saved_version(self, ins: Instruction) -> None:
+        """A resumed run skips the weight syncs of versions before its checkpoint; where a generator here
+        still reads one of them (the run resumed was finished, so no rollouts were generated ahead), it
+        takes that version's weights from the checkpoint instead of the sync."""
+        if SEMANTICS[type(ins)].weights != "sets":
+            return
+        path = self.saved_versions.get((ins.model, ins.version))  # type: ignore[union-attr]
+        dst = self.roles.get(ins.dst_role if isinstance(ins, ReshardInPlace) else f"{ins.model}/generate")  # type: ignore[union-attr]
+        src = self.roles.get(ins.model)  # type: ignore[union-attr]
+        if path is None or dst is None or (src is not None and dst.module is src.module):
+            return
+        from safetensors.torch import load_file
+
+        try:
+            weights = load_file(str(path))
+        except Exception as exc:
+            raise self.fail(ins, f"cannot read weight version {ins.version} from {path}: {exc}") from exc  # type: ignore[union-attr]
+        if isinstance(dst.module, TensorParallelLlama):
+            dst.module.load_full(weights)
+        else:
+            dst.module.load_state_dict(weights)
+        dst.version = ins.version  # type: ignore[union-attr]
 
     def write_ledger(self) -> None:
         """This rank's device bytes of weights, gradients and optimizer state, beside the plan's accounting.
@@ -433,10 +483,15 @@ class RankExecutor:
             except RewardRuleError as exc:
                 prompt = self.source.decode(r["prompt_ids"][exc.index:exc.index + 1],
                                             r["prompt_mask"][exc.index:exc.index + 1])[0]
-                raise self.fail(ins, f"{exc} of step {ins.step}, rollout {ins.start + exc.index}; prompt {prompt!r}") from exc
+                raise self.fail(ins, f"reward node {ins.node!r}: {exc} of step {ins.step}, rollout {ins.start + exc.index}; "
+                                     f"prompt {prompt!r}") from exc
         elif spec.fn is not None:
             fn = resolve_callable(spec.fn, REWARDS, "reward function")
-            rewards = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"]).float()
+            result = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            try:
+                rewards = reward_tensor(result, ins.stop - ins.start, f"reward node {ins.node!r}: function {spec.fn!r}")
+            except RunError as exc:
+                raise RunError(f"step {ins.step}: {exc.message}", fix=exc.fix) from None
         else:
             role = self._forward_role(ins)
             with torch.no_grad():
@@ -445,6 +500,10 @@ class RankExecutor:
             rewards = values.gather(1, last[:, None]).squeeze(1).float()
         if rewards.shape != (ins.stop - ins.start,):
             raise self.fail(ins, f"reward function returned shape {tuple(rewards.shape)}, expected ({ins.stop - ins.start},)")
+        made_by = f"rules {', '.join(spec.rules)}" if spec.rules else f"function {spec.fn!r}" if spec.fn else \
+            f"reward model {spec.model!r}"
+        check_rewards(rewards, f"reward node {ins.node!r} ({made_by})", ins.step, ins.start,
+                      lambda i: self.source.decode(r["prompt_ids"][i:i + 1], r["prompt_mask"][i:i + 1])[0])
         self.values[(ins.step, ins.node, "rewards")] = rewards
         if ins.start == 0:  # the first responses of each step, written once whichever rank scores them
             n = min(self.samples.per_step, ins.stop - ins.start)
@@ -503,6 +562,7 @@ class RankExecutor:
             loss = loss * scale
             loss.backward()  # DDP / FSDP2 average the gradients over the trainer's data-parallel ranks
             grad_norm = clip_grad_norm(list(role.module.parameters()), a.max_grad_norm)
+            check_update(float(loss.detach()), float(grad_norm), node=ins.node, step=ins.step)
             role.optimizer.step()
             metrics["loss"] = float(loss.detach())
             metrics["grad_norm"] = float(grad_norm)
@@ -636,6 +696,7 @@ class RankExecutor:
         # only the reporting rank keeps them, in host memory, and saves them once.
         weights = {name: full_state_dict(r.module, keep=self.is_reporter, to_host=True) for name, r in roles.items()}
         if self.is_reporter:
+            check_weights(weights, ins.step)  # before anything is written: a NaN checkpoint never exists
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         self._barrier(group)
@@ -646,10 +707,24 @@ class RankExecutor:
         save_inflight(partial, self.rank, inflight)
         self._barrier(group)
         if self.is_reporter:
-            folder = finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight),
-                                       checkpoint_layout(self.plan))
-            self._export_trained(folder, roles, weights)
+            self._export_trained(partial, roles, weights)  # inside the manifest, before `latest` names it
+            ahead = self._write_versions_ahead(partial, ins.step)
+            finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight),
+                              checkpoint_layout(self.plan), extra={"versions_ahead": ahead})
         self._barrier(group)
+
+    def _write_versions_ahead(self, folder: Path, step: int) -> dict[str, list[int]]:
+        """The last checkpoint holds the older weight versions a longer run's generator reads
+        (`_versions_a_continuation_reads`); other checkpoints hold the rollouts generated ahead instead."""
+        if step != self.programs.steps - 1 or not self.kept_versions:
+            return {}
+        from safetensors.torch import save_file
+
+        for version, tensors in sorted(self.kept_versions.items()):
+            target = folder / versions_ahead_file(self.policy_role, version)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(target))
+        return {self.policy_role: sorted(self.kept_versions)}
 
     def _barrier(self, group: Any) -> None:
         if group is not None:

@@ -44,6 +44,8 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
     from graphrl.executors.runtime import Runtime
 
     out = Path(out_dir)
+    if local_rank is None:  # a local rank: Ctrl-C reaches the launcher, which ends every rank itself
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(threads)
         plan = load_plan(plan_path, check=False)  # the launcher checked it once, before any rank started
@@ -81,8 +83,9 @@ def _read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
 
 def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from: Path | None = None,
                  on_metrics: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None,
-                 profile: ProfileSettings | None = None) -> RunOutcome:
-    """Run every rank of `plan` as a local process; raise RunError naming the first rank that failed."""
+                 profile: ProfileSettings | None = None, resume_hint: str | None = None) -> RunOutcome:
+    """Run every rank of `plan` as a local process; raise RunError naming the first rank that failed.
+    Ctrl-C (SIGINT) or SIGTERM ends every rank and says how to continue (`resume_hint`, the command)."""
     assert plan.programs is not None
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.msgpack"
@@ -136,9 +139,9 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
                 failure = (-1, f"the run exceeded its time limit of {timeout_s:.0f} s")
                 break
             time.sleep(0.1)
-    except Terminated:
-        failure = (-1, "the launcher was sent SIGTERM; every rank was ended (--resume continues from the last "
-                       "checkpoint)")
+    except (Terminated, KeyboardInterrupt) as exc:
+        what = "sent SIGTERM" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+        failure = (-1, f"the run was {what}; every rank was ended")
     finally:
         _end_all(procs)
         if main_thread:
@@ -148,12 +151,27 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
         steps_done += 1
         if on_metrics:
             on_metrics(row)
-    merge_timeline(timeline, out_dir / "timeline.json")
+    merge_timeline(timeline, out_dir / "timeline.json", append=start_step > 0)
     if failure is not None:
         rank, message = failure
         where = f"rank {rank}" if rank >= 0 else "the run"
-        raise RunError(f"{where} failed: {message}", fix=f"see {errors} for every rank's traceback" if rank >= 0 else None)
+        raise RunError(f"{where} failed: {message}", fix=_continue_fix(out_dir, errors if rank >= 0 else None,
+                                                                       resume_hint))
     return RunOutcome(out_dir, steps_done, time.perf_counter() - started)
+
+
+def _continue_fix(out_dir: Path, errors: Path | None, resume_hint: str | None) -> str:
+    """Where the tracebacks are and how to continue from the newest intact checkpoint, if there is one."""
+    from graphrl.executors.outputs import latest_checkpoint
+
+    parts = [f"see {errors} for every rank's traceback"] if errors is not None else []
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is not None:
+        parts.append(f"continue from {ckpt.name} with `{resume_hint}`" if resume_hint
+                     else f"--resume continues from {ckpt.name}")
+    elif errors is None:
+        parts.append("no checkpoint was written yet: the run starts again from step 0")
+    return "; ".join(parts)
 
 
 class Terminated(Exception):

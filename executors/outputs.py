@@ -9,12 +9,28 @@ checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from safetensors.torch import load_file, save_file
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """One JSON line; a NaN or infinite number is written as null (bare `NaN` is not JSON, and readers
+    of metrics.jsonl such as `jq` or a browser refuse the whole file for it)."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(row), allow_nan=False) + "\n"
 
 
 class MetricsWriter:
@@ -39,7 +55,7 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled or self._file is None:
             return
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json_line(row))
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -73,7 +89,7 @@ class SamplesWriter:
                    "response": response}
             if answers is not None:
                 row["answer"] = answers[i]
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(json_line(row))
 
     def close(self) -> None:
         if self._file is not None:
@@ -88,28 +104,79 @@ def checkpoint_folders(out_dir: Path, step: int) -> tuple[Path, Path]:
     return root / f".step_{step:06d}.partial", root / f"step_{step:06d}"
 
 
+MANIFEST = "manifest.json"
+
+
+def versions_ahead_file(role: str, version: int) -> str:
+    """Where in a checkpoint folder an older weight version of `role` is kept for a longer run's generator."""
+    return f"versions_ahead/{role.replace('/', '__')}.v{version:06d}.safetensors"
+
+
 def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, Any],
                       weights: dict[str, dict[str, Any]], seed: int, inflight_steps: list[int],
-                      layout: dict[str, Any] | None = None) -> Path:
-    """Add the full weights and `meta.json` to a partial checkpoint and move it into place atomically.
-    `layout` (`checkpoint_layout`) is what a resume compares against its own plan."""
+                      layout: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
+    """Add the full weights, `meta.json` and the manifest to a partial checkpoint (every rank has written
+    its files), move it into place atomically, and only then point `latest` at it. `layout`
+    (`checkpoint_layout`) is what a resume compares against its own plan; `extra` goes into meta.json."""
     try:
         meta: dict[str, Any] = {"step": step, "next_step": step + 1, "seed": seed, "roles": {},
-                                "inflight_steps": inflight_steps, "layout": layout}
+                                "inflight_steps": inflight_steps, "layout": layout, **(extra or {})}
         for name, role in roles.items():
             safe = name.replace("/", "__")
             tensors = {k: v.detach().cpu().contiguous() for k, v in weights[name].items()}
             save_file(tensors, str(partial / f"{safe}.safetensors"))
             meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors"}
         (partial / "meta.json").write_text(json.dumps(meta))
+        # Every file with its size: a resume checks them, so a shard lost or cut short afterwards (a full
+        # disk, a copy interrupted) is found by name before any rank starts.
+        files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
+        (partial / MANIFEST).write_text(json.dumps({"files": files}, indent=0))
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    (final.parent / "latest").write_text(final.name)
+    marker = final.parent / "latest"
+    marker.with_name("latest.tmp").write_text(final.name)
+    os.replace(marker.with_name("latest.tmp"), marker)
     return final
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint folder `path` cannot be resumed from (naming the file), or None if it is intact:
+    every file of its manifest present with its size, its metadata, DCP metadata and rollout files readable."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        return f"{meta_path} is missing"
+    try:
+        meta = json.loads(meta_path.read_text())
+        int(meta["next_step"]), dict(meta["roles"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"{meta_path} is not a checkpoint's metadata ({type(exc).__name__}: {exc})"
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        try:
+            files = dict(json.loads(manifest.read_text())["files"])
+        except (ValueError, KeyError, TypeError):
+            return f"{manifest} is damaged"
+        for name, size in files.items():
+            file = path / name
+            if not file.is_file():
+                return f"{file} is missing"
+            if file.stat().st_size != size:
+                return f"{file} has {file.stat().st_size} bytes, {size} were written (cut short or changed)"
+    for name in meta["roles"]:
+        folder = path / "dcp" / name.replace("/", "__")
+        try:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            FileSystemReader(str(folder)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - any reason the metadata cannot be read is the reason to report
+            return f"{folder}/.metadata cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if meta.get("inflight_steps") and not list(path.glob("inflight.rank*.pt")):
+        return f"{path} holds no inflight.rank*.pt, but meta.json lists rollouts of steps {meta['inflight_steps']}"
+    return None
 
 
 def checkpoint_layout(plan: Any) -> dict[str, Any]:
@@ -119,15 +186,22 @@ def checkpoint_layout(plan: Any) -> dict[str, Any]:
     return {"label": plan.chosen.label, "ranks": plan.cluster.num_devices}
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
+def latest_checkpoint(out_dir: Path, say: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact checkpoint of a run folder (`checkpoint_problem` finds nothing wrong with it);
+    `say` is told of each damaged one passed over."""
     root = out_dir / "checkpoints"
-    marker = root / "latest"
-    if marker.exists():
-        path = root / marker.read_text().strip()
-        if (path / "meta.json").exists():
+    if not root.is_dir():
+        return None
+    # A `step_*` folder exists only once it is complete (renamed from its partial folder after every
+    # rank wrote), so the newest intact one is the one `latest` names, or a newer one if the run ended
+    # between the rename and the marker.
+    for path in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
             return path
-    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists()) if root.exists() else []
-    return done[-1] if done else None
+        if say is not None:
+            say(f"checkpoint {path.name} is damaged: {problem}; trying an earlier one")
+    return None
 
 
 def load_checkpoint(path: Path, *, weights: bool = True) -> dict[str, Any]:
@@ -139,4 +213,5 @@ def load_checkpoint(path: Path, *, weights: bool = True) -> dict[str, Any]:
         roles[name] = {"version": info["version"],
                        "weights": load_file(str(path / info["file"])) if weights else None}
     return {"path": path, "step": meta["step"], "next_step": meta["next_step"], "roles": roles,
-            "inflight_steps": meta.get("inflight_steps", []), "layout": meta.get("layout")}
+            "inflight_steps": meta.get("inflight_steps", []), "layout": meta.get("layout"),
+            "versions_ahead": meta.get("versions_ahead", {})}

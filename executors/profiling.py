@@ -91,14 +91,27 @@ class RankProfiler:
         return torch.profiler.record_function(label(ins))
 
 
-def merge_timeline(folder: Path, out: Path) -> Path | None:
-    """Merge `folder/rank*.json` into one Chrome trace (microseconds from the earliest span)."""
+def _previous_timeline(out: Path) -> tuple[list[dict[str, Any]], float | None]:
+    """The events of an earlier timeline and its time origin (None if there is none to append to)."""
+    try:
+        data = json.loads(out.read_text())
+        return list(data["traceEvents"]), float(data["otherData"]["t0"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [], None
+
+
+def merge_timeline(folder: Path, out: Path, *, append: bool = False) -> Path | None:
+    """Merge `folder/rank*.json` into one Chrome trace (microseconds from the earliest span). With
+    `append` (a resumed run), the earlier run's events stay, on the same clock, and the new ones follow."""
     files = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
     if not files:
         return None
     ranks = [json.loads(p.read_text()) for p in files]
-    t0 = min((s[2] for r in ranks for s in r["spans"]), default=0.0)
-    events: list[dict[str, Any]] = []
+    previous, t0_before = _previous_timeline(out) if append else ([], None)
+    t0 = t0_before if t0_before is not None else min((s[2] for r in ranks for s in r["spans"]), default=0.0)
+    new_ranks = {r["rank"] for r in ranks}
+    events: list[dict[str, Any]] = [e for e in previous if e.get("ph") != "M" or e.get("pid") not in new_ranks]
+    flows = sum(1 for e in previous if e.get("ph") == "s")
     sends: dict[int, tuple[int, float]] = {}
     recvs: dict[int, tuple[int, float]] = {}
     for r in ranks:
@@ -112,11 +125,11 @@ def merge_timeline(folder: Path, out: Path) -> Path | None:
                 sends[tag] = (rank, (start - t0) * 1e6)
             elif kind == "Recv":
                 recvs[tag] = (rank, (end - t0) * 1e6)
-    for i, tag in enumerate(sorted(set(sends) & set(recvs))):
+    for i, tag in enumerate(sorted(set(sends) & set(recvs)), start=flows):
         (src, ts), (dst, te) = sends[tag], recvs[tag]
         events.append({"ph": "s", "id": i, "name": "rollouts", "cat": "transfer", "pid": src, "tid": 0, "ts": ts})
         events.append({"ph": "f", "id": i, "name": "rollouts", "cat": "transfer", "pid": dst, "tid": 0, "ts": te, "bp": "e"})
-    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"t0": t0}}))
     return out
 
 

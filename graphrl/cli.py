@@ -22,7 +22,7 @@ import click
 from pydantic import ValidationError
 
 from graphrl import __version__
-from graphrl.errors import GraphRLError, InternalError, JobError, Location, format_path
+from graphrl.errors import GraphRLError, InternalError, JobError, Location, RunError, format_path
 from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob, Override, SourceMap, apply_overrides, job_cluster, load_job, parse_override
 from graphrl.schemas.cluster import ClusterSpec
@@ -401,50 +401,66 @@ def refuse_unrunnable(plan, loaded: LoadedJob) -> None:  # noqa: ANN001
 @click.option("--schedule", type=click.Choice(["sync", "async"]), help="Override schedule.mode.")
 @click.option("--strategy", type=click.Choice(["auto", "colocated", "disaggregated"]), help="Override placement.strategy.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default runs/<job>).")
-@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run folder.")
+@click.option("--resume", is_flag=True, help="Continue the run in the run folder from its newest intact checkpoint "
+              "(to a larger --steps, for a finished run).")
+@click.option("--overwrite", is_flag=True, help="Replace the run in the run folder: delete what it wrote there "
+              "(metrics, samples, checkpoints, ...) and start from step 0.")
 @click.option("--profile", type=click.Path(file_okay=False, path_type=Path), help="Write torch.profiler traces here.")
 @click.option("--profile-memory", is_flag=True, help="With --profile: also record memory.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @set_option
 def run(job: str, cluster: str | None, steps: int | None, seed: int | None, schedule: str | None,
-        strategy: str | None, out: Path | None, resume: bool, profile: Path | None, profile_memory: bool,
-        quiet: bool, sets: tuple[str, ...]) -> None:
+        strategy: str | None, out: Path | None, resume: bool, overwrite: bool, profile: Path | None,
+        profile_memory: bool, quiet: bool, sets: tuple[str, ...]) -> None:
     """Compile JOB and run it: one process per rank on this machine."""
     from graphrl.executors.launcher import launch_local
     from graphrl.executors.outputs import checkpoint_layout, latest_checkpoint
+    from graphrl.executors.runfolder import (check_run_folder, prepare_run_folder, record_run, remove_records,
+                                            rewind_records)
 
     loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
+    out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
+    check_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # before minutes of compiling
     plan = compile_loaded(loaded, cluster)
     refuse_unrunnable(plan, loaded)
-    out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
+    prepare_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # nothing written before here
+    total = plan.programs.steps if plan.programs else 0
     start_step, resume_from = 0, None
     if resume:
-        ckpt = latest_checkpoint(out_dir)
+        ckpt = latest_checkpoint(out_dir, say=lambda line: click.echo(f"warning: {line}", err=True))
         if ckpt is None:
-            raise GraphRLError(f"no checkpoint to resume from in {out_dir}", fix="run without --resume first")
+            raise RunError(f"no intact checkpoint to resume from in {out_dir}",
+                           fix="run without --resume (with --overwrite to replace what is there)")
         meta = json.loads((ckpt / "meta.json").read_text())
         start_step, resume_from = int(meta["next_step"]), ckpt
+        if start_step >= total:
+            click.echo(f"nothing to resume: {ckpt} is after step {start_step - 1} and the job runs {total} steps; "
+                       f"pass a larger --steps to continue it", err=True)
+            return
         click.echo(f"resuming from {ckpt} at step {start_step}", err=True)
         old, new = meta.get("layout"), checkpoint_layout(plan)
         if old is not None and old != new:
             click.echo(f"  on another layout: {old['label']} on {old['ranks']} ranks -> {new['label']} on "
                        f"{new['ranks']} ranks (the trained state is resharded as it loads)", err=True)
+        dropped = rewind_records(out_dir, start_step)
+        if any(dropped.values()):
+            click.echo("  " + ", ".join(f"{name}: {n} lines after the checkpoint dropped" for name, n in dropped.items()
+                                        if n), err=True)
     else:
-        for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh records
-            (out_dir / name).unlink(missing_ok=True)
+        remove_records(out_dir)
+    record_run(out_dir, loaded.spec, steps=total, start_step=start_step, resumed_from=resume_from)
     settings = None
     if profile is not None:
         from graphrl.executors.profiling import ProfileSettings
 
         profile.mkdir(parents=True, exist_ok=True)
         settings = ProfileSettings(profile, memory=profile_memory)
-    total = plan.programs.steps if plan.programs else 0
     click.echo(f"running {loaded.spec.name}: {plan.chosen.label} [{plan.chosen.estimate.mode}] on "
                f"{plan.cluster.num_devices} ranks, {total} steps -> {out_dir}", err=True)
     last: dict[str, Any] = {}
     if quiet:
         outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from,
-                               on_metrics=lambda row: last.update(row), profile=settings)
+                               on_metrics=lambda row: last.update(row), profile=settings, resume_hint=_resume_hint(job, out_dir))
     else:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -460,12 +476,20 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
                            tok_s=row.get("tokens_per_s", 0.0))
 
             outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update,
-                                   profile=settings)
+                                   profile=settings, resume_hint=_resume_hint(job, out_dir))
     summary = ", ".join(f"{k} {last[k]:.4g}" for k in ("reward_mean", "loss") if k in last)
     click.echo(f"done: {outcome.steps_done} steps in {outcome.wall_s:.1f} s ({summary}); metrics in {out_dir / 'metrics.jsonl'}, "
                f"timeline in {out_dir / 'timeline.json'}")
     if profile is not None:
         click.echo(f"profiles in {profile}: tensorboard --logdir {profile}")
+
+
+def _resume_hint(job: str, out_dir: Path) -> str:
+    """The command that continues a run."""
+    import shlex
+
+    return (f"graphrl run {shlex.quote(job)} --out {shlex.quote(str(out_dir))} --resume (with the same --set "
+            "options; --steps may grow)")
 
 
 @main.command()
@@ -519,13 +543,16 @@ def report(run_dir: Path, fmt: str, output: Path | None, width: int, warmup_step
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-def import_cmd(source: Path, out_dir: Path, dtype: str) -> None:
-    """Convert a GGUF file or Hugging Face folder once into a safetensors folder with its tokenizer."""
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if an earlier `graphrl import` wrote it (never another folder).")
+def import_cmd(source: Path, out_dir: Path, dtype: str, force: bool) -> None:
+    """Convert a GGUF file or Hugging Face folder once into a safetensors folder with its tokenizer.
+    OUT_DIR must be new or empty (with --force: an earlier import's folder)."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from graphrl.models import import_checkpoint
+    from graphrl.models import check_import_target, import_checkpoint
 
+    check_import_target(source, out_dir, force)  # before the progress bar: a refusal is one clean line
     stages = ["reading weights", "building model", "reading tokenizer", "writing safetensors"]
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task("import", total=len(stages))
@@ -533,7 +560,7 @@ def import_cmd(source: Path, out_dir: Path, dtype: str) -> None:
         def progress(stage: str) -> None:
             bar.update(task, description=stage, completed=stages.index(stage))
 
-        folder = import_checkpoint(source, out_dir, getattr(torch, dtype), progress=progress)
+        folder = import_checkpoint(source, out_dir, getattr(torch, dtype), progress=progress, force=force)
         bar.update(task, description="done", completed=len(stages))
     click.echo(f"wrote {folder}: point a model's `checkpoint:` at it")
 

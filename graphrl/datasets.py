@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from graphrl.errors import GraphRLError
+from graphrl.errors import DataError, GraphRLError
 from graphrl.schemas.job import DatasetNode, GenerateNode, JobSpec, PromptFields
 from graphrl.tasks import EOS, PAD, TASKS, resolve_callable
 
@@ -32,47 +32,101 @@ class Example:
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
+    if path.is_dir():
+        raise DataError(f"dataset file {path} is a directory", fix="give `file:` a .jsonl or .parquet file inside it")
     if not path.is_file():
-        raise GraphRLError(f"dataset file {path} does not exist", fix="check `file:` (relative to the job file)")
+        raise DataError(f"dataset file {path} does not exist", fix="check `file:` (relative to the job file)")
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"dataset file {path} is not a readable parquet file ({exc})",
+                            fix="write it again (e.g. pandas.DataFrame.to_parquet), or give a JSON-lines file") from None
     if path.suffix not in (".jsonl", ".json"):
-        raise GraphRLError(f"dataset file {path} is neither JSON lines nor parquet",
-                           fix=f"use a file ending in one of {', '.join(SUFFIXES)}")
+        raise DataError(f"dataset file {path} is neither JSON lines nor parquet",
+                        fix=f"use a file ending in one of {', '.join(SUFFIXES)}")
     rows = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+    for line_no, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
+                            fix="save the file as UTF-8") from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise GraphRLError(f"{path}:{line_no}: not a JSON object ({exc.msg})",
-                               fix="write one JSON object per line") from None
+            raise DataError(f"{path}:{line_no}: not a JSON object ({exc.msg})",
+                            fix="write one JSON object per line") from None
         if not isinstance(row, dict):
-            raise GraphRLError(f"{path}:{line_no}: a row must be a JSON object", fix="write one JSON object per line")
+            raise DataError(f"{path}:{line_no}: a row must be a JSON object", fix="write one JSON object per line")
         rows.append(row)
     return rows
 
 
 def read_examples(path: str | Path, fields: PromptFields) -> list[Example]:
-    """Every row of a JSON-lines or parquet file as an Example; a missing field names its row."""
+    """Every row of a JSON-lines or parquet file as an Example; a missing or null field names its row."""
     path = Path(path)
     rows = _rows(path)
     if not rows:
-        raise GraphRLError(f"dataset file {path} has no rows", fix="add prompts to it")
+        raise DataError(f"dataset file {path} has no rows", fix="add prompts to it")
     wanted = {"prompt": fields.prompt, "answer": fields.answer} | ({"system": fields.system} if fields.system else {})
     examples = []
     for index, row in enumerate(rows):
         for role, column in wanted.items():
             if column not in row:
-                raise GraphRLError(f"dataset file {path}, row {index + 1}: no field {column!r} (the {role} field); "
-                                   f"the row has {', '.join(map(repr, row)) or 'no fields'}",
-                                   fix=f"set fields.{role} on the dataset node to the column holding the {role}")
+                raise DataError(f"dataset file {path}, row {index + 1}: no field {column!r} (the {role} field); "
+                                f"the row has {', '.join(map(repr, row)) or 'no fields'}",
+                                fix=f"set fields.{role} on the dataset node to the column holding the {role}")
+            if row[column] is None:  # str(None) would make the answer the text "None"
+                raise DataError(f"dataset file {path}, row {index + 1}: the {role} field {column!r} is null",
+                                fix=f"give every row a {role}, or drop the rows without one")
         examples.append(Example(prompt=str(row[fields.prompt]), answer=str(row[fields.answer]),
                                 system=str(row[fields.system]) if fields.system else None))
     return examples
+
+
+def prompt_token_rows(spec: DatasetNode, tokenizer: Any, rows: list[Example]) -> list[list[int]]:
+    """Each row's prompt as the model sees it (chat template, system prompt), as token ids."""
+    from graphrl.models.tokenizer import prompt_text
+
+    return [tokenizer.encode(prompt_text(tokenizer, ex.prompt, ex.system or spec.system_prompt, spec.chat_template),
+                             add_special_tokens=False) for ex in rows]
+
+
+def check_prompt_lengths(spec: DatasetNode, token_rows: list[list[int]]) -> None:
+    """Refuse a prompt longer than `prompt_len` (unless the node truncates long prompts), naming the
+    file, the row (1-based, as an editor counts) and its length."""
+    if spec.long_prompts == "truncate":
+        return
+    too_long = [(i, len(r)) for i, r in enumerate(token_rows) if len(r) > spec.prompt_len]
+    if not too_long:
+        return
+    index, length = too_long[0]
+    longest = max(n for _, n in too_long)
+    raise DataError(f"dataset file {spec.file}, row {index + 1}: the prompt is {length} tokens, longer than "
+                    f"prompt_len {spec.prompt_len} ({len(too_long)} rows are; the longest has {longest})",
+                    fix=f"set prompt_len to at least {longest}, or long_prompts: truncate to keep the last "
+                        f"{spec.prompt_len} tokens of each")
+
+
+def left_padded(token_rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """(ids [N, length], mask) left-padded; a longer row keeps its last `length` tokens (the end of a
+    chat-templated prompt is the question and the turn the model answers)."""
+    import torch
+
+    ids = torch.full((len(token_rows), length), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(token_rows), length), dtype=torch.bool)
+    for i, row in enumerate(token_rows):
+        row = row[-length:]
+        if row:
+            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.int64)
+            mask[i, length - len(row):] = True
+    return ids, mask
 
 
 def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -127,14 +181,14 @@ class FilePrompts:
     """A JSON-lines / parquet file, rendered with the tokenizer's chat template and tokenized once."""
 
     def __init__(self, spec: DatasetNode, gen: GenerateNode, tokenizer: Any, seed: int) -> None:
-        from graphrl.models.tokenizer import decode_responses, encode_left_padded, pad_token_id, prompt_text, stop_token_ids
+        from graphrl.models.tokenizer import decode_responses, pad_token_id, stop_token_ids
 
         assert spec.file is not None
         self.spec, self.seed, self.tokenizer = spec, seed, tokenizer
         self.rows = read_examples(spec.file, spec.fields)
-        texts = [prompt_text(tokenizer, ex.prompt, ex.system or spec.system_prompt, spec.chat_template)
-                 for ex in self.rows]
-        self.ids, self.mask = encode_left_padded(tokenizer, texts, spec.prompt_len)
+        token_rows = prompt_token_rows(spec, tokenizer, self.rows)
+        check_prompt_lengths(spec, token_rows)
+        self.ids, self.mask = left_padded(token_rows, spec.prompt_len, pad_token_id(tokenizer))
         self.stop_ids = stop_token_ids(tokenizer, gen.stop)
         self.pad_id = pad_token_id(tokenizer)
         self._decode = decode_responses

@@ -105,5 +105,13 @@ class RunError(GraphRLError):
     """A run failed on some rank."""
 
 
+class OutputError(GraphRLError):
+    """A folder graphrl would write into cannot be written, or holds what graphrl did not write there."""
+
+
+class DataError(GraphRLError):
+    """A file the job reads (dataset, checkpoint) is unreadable, damaged or not what it claims to be."""
+
+
 class InternalError(Exception):
     """A bug in graphrl: an invariant of ours was broken. Not the user's fault."""

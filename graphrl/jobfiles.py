@@ -37,9 +37,33 @@ def resolve_job_files(spec: JobSpec, base_dir: Path) -> JobSpec:
             continue
         path = _absolute(node.file, base_dir)
         try:
-            read_examples(path, node.fields)
+            rows = read_examples(path, node.fields)
         except GraphRLError as exc:
             field = "fields" if "no field" in exc.message else "file"
             raise JobError(exc.message, path=("nodes", name, field), fix=exc.fix) from None
-        nodes[name] = node.model_copy(update={"file": path})
+        node = node.model_copy(update={"file": path})
+        _check_prompt_lengths(name, node, rows, _generating_checkpoint(spec, name, models))
+        nodes[name] = node
     return spec.model_copy(update={"models": models, "nodes": nodes})
+
+
+def _generating_checkpoint(spec: JobSpec, dataset: str, models: dict) -> Path | None:  # noqa: ANN001
+    """The checkpoint of the model that generates from `dataset`'s prompts (its tokenizer renders them)."""
+    for node in spec.nodes.values():
+        if node.op == "generate" and any(ref.split(".")[0] == dataset for ref in node.inputs.values()):
+            return models[node.model].checkpoint
+    return None
+
+
+def _check_prompt_lengths(name: str, node, rows: list, checkpoint: Path | None) -> None:  # noqa: ANN001
+    """Tokenize every prompt as the run will and refuse one longer than prompt_len now, not at run time."""
+    from graphrl.datasets import check_prompt_lengths, prompt_token_rows
+    from graphrl.models import has_tokenizer
+    from graphrl.models.tokenizer import load_tokenizer
+
+    if checkpoint is None or node.long_prompts == "truncate" or not has_tokenizer(checkpoint):
+        return
+    try:
+        check_prompt_lengths(node, prompt_token_rows(node, load_tokenizer(checkpoint), rows))
+    except GraphRLError as exc:
+        raise JobError(exc.message, path=("nodes", name, "prompt_len"), fix=exc.fix) from None

@@ -9,6 +9,7 @@ compares numbers, not strings (`7`, `7.0` and `14/2` are the same answer).
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from fractions import Fraction
 from typing import Callable
@@ -101,25 +102,34 @@ def answer_tag_format(response: str, answer: str) -> float:
 
 
 class RewardRuleError(Exception):
-    """A rule raised on one rollout; carries the rollout so the report can show it."""
+    """A rule raised, or returned something other than a finite number, on one rollout; carries the
+    rollout so the report can show it."""
 
-    def __init__(self, rule: str, index: int, response: str, answer: str, cause: BaseException) -> None:
-        super().__init__(f"reward rule {rule!r} raised {type(cause).__name__}: {cause} on response {index} "
+    def __init__(self, rule: str, index: int, response: str, answer: str, reason: str) -> None:
+        super().__init__(f"reward rule {rule!r} {reason} on response {index} "
                          f"(response {response[:200]!r}, answer {answer!r})")
         self.rule, self.index, self.response, self.answer = rule, index, response, answer
 
 
 def combined_reward(rules: dict[str, float], responses: list[str], answers: list[str]) -> list[float]:
-    """sum_rule weight * rule(response, answer) for each rollout; a rule that raises names its rollout."""
+    """sum_rule weight * rule(response, answer) for each rollout; a rule that raises, or returns a
+    non-number or a NaN or infinite number, names its rollout."""
     fns = [(name, resolve_callable(name, ANSWER_RULES, "answer reward rule"), weight) for name, weight in rules.items()]
     totals = []
     for index, (response, answer) in enumerate(zip(responses, answers, strict=True)):
         total = 0.0
         for name, fn, weight in fns:
             try:
-                total += weight * float(fn(response, answer))
+                value = fn(response, answer)
             except Exception as exc:  # a user rule's bug, reported with the rollout that triggered it
-                raise RewardRuleError(name, index, response, answer, exc) from exc
+                raise RewardRuleError(name, index, response, answer,
+                                      f"raised {type(exc).__name__}: {exc}") from exc
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise RewardRuleError(name, index, response, answer,
+                                      f"returned {type(value).__name__} {value!r:.60}, not a number")
+            if not math.isfinite(value):
+                raise RewardRuleError(name, index, response, answer, f"returned {float(value)}, not a finite number")
+            total += weight * float(value)
         totals.append(total)
     return totals
 

@@ -70,6 +70,10 @@ class DatasetNode(_Node):
     system_prompt: str | None = Field(default=None, description="System message for rows without their own.")
     batch_size: Integer = Field(gt=0, description="Prompts per step (global).")
     prompt_len: Integer = Field(gt=0, description="Longest prompt in tokens; prompts are left-padded to it.")
+    long_prompts: Literal["refuse", "truncate"] = Field(
+        default="refuse",
+        description="A `file` prompt longer than prompt_len: 'refuse' it when the job loads (naming the file and "
+                    "row), or 'truncate' it to its last prompt_len tokens.")
     options: dict[str, Integer | Real | str | Boolean] = Field(
         default_factory=dict, description="Task-specific options (e.g. num_digits)."
     )

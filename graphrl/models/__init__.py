@@ -11,6 +11,7 @@ writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` reads b
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -25,7 +26,8 @@ from graphrl.schemas.model import ModelDims
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def _has_tokenizer(path: Path) -> bool:
+def has_tokenizer(path: Path) -> bool:
+    """Whether a checkpoint holds a tokenizer (a GGUF file always does)."""
     return is_gguf(path) or any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
@@ -40,7 +42,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     model = Llama(dims, device="meta")
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval()
-    tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
+    tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
     return model, tokenizer
 
 
@@ -53,10 +55,52 @@ def save_pretrained(model: Llama, folder: str | Path, tokenizer: Tokenizer | Non
     return folder
 
 
+IMPORT_MARKER = ".graphrl-import.json"
+
+
+def check_import_target(source: Path, out_dir: Path, force: bool) -> Path:
+    """The absolute folder an import may write, refusing any place where it would delete what it did not
+    write: a non-empty folder (with `force`, only one an earlier import wrote, holding nothing else), a
+    file, the working folder or a folder holding it or the source."""
+    from graphrl.errors import OutputError
+
+    target = out_dir.resolve()
+    cwd, src = Path.cwd().resolve(), source.resolve()
+    if target == target.parent or target == cwd or target in cwd.parents or target == src or target in src.parents:
+        raise OutputError(f"OUT_DIR {out_dir} is {'the working folder' if target == cwd else 'a folder holding the working folder or SRC'}",
+                          fix="name a new folder for the import, e.g. `graphrl import SRC models/NAME`")
+    if target.exists() and not target.is_dir():
+        raise OutputError(f"OUT_DIR {out_dir} is a file", fix="name a new folder for the import")
+    if target.is_dir() and any(target.iterdir()):
+        marker = target / IMPORT_MARKER
+        if not force:
+            raise OutputError(f"OUT_DIR {out_dir} is not empty; importing would replace what it holds",
+                              fix="name a new folder" + (" (or pass --force to replace this earlier import)"
+                                                         if marker.is_file() else ""))
+        if not marker.is_file():
+            raise OutputError(f"OUT_DIR {out_dir} was not written by `graphrl import` (it has no {IMPORT_MARKER}); "
+                              "--force only replaces an earlier import", fix="name a new folder, or empty this one yourself")
+        try:
+            written = set(json.loads(marker.read_text())["files"])
+        except (ValueError, KeyError, TypeError):
+            raise OutputError(f"OUT_DIR {out_dir}: its {IMPORT_MARKER} is damaged, so what the import wrote is unknown",
+                              fix="name a new folder, or empty this one yourself") from None
+        others = sorted(p.name for p in target.iterdir() if p.name not in written | {IMPORT_MARKER})
+        if others:
+            raise OutputError(f"OUT_DIR {out_dir} holds files the earlier import did not write ({', '.join(others[:5])}); "
+                              "--force would delete them", fix="move them elsewhere first, or name a new folder")
+    return target
+
+
 def import_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32,
-                      progress: Callable[[str], None] | None = None) -> Path:
-    """Convert a GGUF file (or copy a folder) once into a safetensors folder with its tokenizer."""
+                      progress: Callable[[str], None] | None = None, force: bool = False) -> Path:
+    """Convert a GGUF file (or copy a folder) once into a safetensors folder with its tokenizer.
+
+    Never deletes what it did not write: `out_dir` must be new or empty, or with `force` an earlier
+    import (recognised by its marker file, which lists the files it wrote). The folder is written as a
+    temporary sibling and renamed into place, so an interrupted import leaves `out_dir` as it was."""
     source, out_dir = Path(source), Path(out_dir)
+    target = check_import_target(source, out_dir, force)
     say = progress or (lambda _stage: None)
     say("reading weights")
     dims, state = load_state(source)
@@ -65,18 +109,29 @@ def import_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(dtype)
     say("reading tokenizer")
-    tokenizer = load_tokenizer(source) if _has_tokenizer(source) else None
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = load_tokenizer(source) if has_tokenizer(source) else None
+    tmp = target.with_name(f".{target.name}.import-{os.getpid()}")
+    target.parent.mkdir(parents=True, exist_ok=True)
     say("writing safetensors")
-    save_pretrained(model, tmp, tokenizer)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    try:
+        save_pretrained(model, tmp, tokenizer)
+        files = sorted(p.name for p in tmp.iterdir())
+        (tmp / IMPORT_MARKER).write_text(json.dumps({"source": str(source.resolve()), "dtype": str(dtype),
+                                                     "files": files}, indent=2) + "\n")
+        old = None
+        if target.is_dir():  # empty, or an earlier import checked above: moved aside, deleted once replaced
+            old = target.with_name(f".{target.name}.replaced-{os.getpid()}")
+            target.rename(old)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
     return out_dir
 
 
-__all__ = ["checkpoint_dims", "export_trained", "from_pretrained", "import_checkpoint", "load_tokenizer", "save_pretrained"]
+__all__ = ["IMPORT_MARKER", "check_import_target", "checkpoint_dims", "export_trained", "from_pretrained", "has_tokenizer", "import_checkpoint", "load_tokenizer", "save_pretrained"]
 
 
 def export_trained(folder: str | Path, dims: ModelDims, weights: dict[str, torch.Tensor],
@@ -92,6 +147,6 @@ def export_trained(folder: str | Path, dims: ModelDims, weights: dict[str, torch
     dtype = next(iter(tensors.values())).dtype
     (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_source is not None and _has_tokenizer(Path(tokenizer_source)):
+    if tokenizer_source is not None and has_tokenizer(Path(tokenizer_source)):
         load_tokenizer(tokenizer_source).save_pretrained(str(folder))
     return folder

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphrl.errors import GraphRLError
+from graphrl.errors import DataError, GraphRLError
 from graphrl.executors.models.llama import dims_from_hf_config, load_hf_checkpoint, param_shapes
 from graphrl.schemas.model import ModelDims
 
@@ -42,7 +42,10 @@ def _gguf_config(path: Path) -> dict[str, Any]:
         raise GraphRLError(f"reading {path} needs transformers and gguf ({exc})",
                            fix="pip install 'graphrl[real]'") from None
     folder, name = _gguf_parts(path)
-    return AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    try:
+        return AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails anywhere inside the gguf reader
+        raise unreadable_gguf(path, exc) from None
 
 
 @functools.lru_cache(maxsize=16)
@@ -56,7 +59,35 @@ def checkpoint_dims(path: str | Path) -> ModelDims:
     if not config_path.is_file():
         raise GraphRLError(f"checkpoint {path} has no config.json",
                            fix="point `checkpoint` at a Hugging Face model folder or a .gguf file")
-    return dims_from_hf_config(json.loads(config_path.read_text()))
+    return dims_from_hf_config(read_config(config_path))
+
+
+REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
+def read_config(config_path: Path) -> dict[str, Any]:
+    """A checkpoint's config.json, refused by name when it is not JSON, not an object, or lacks a key the
+    model's dimensions come from."""
+    try:
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{config_path} is not valid JSON ({exc})",
+                        fix="restore config.json from the model's source (or run `graphrl import` again)") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{config_path} holds a {type(config).__name__}, not a JSON object",
+                        fix="restore config.json from the model's source")
+    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in config]
+    if missing:
+        raise DataError(f"{config_path} lacks {', '.join(map(repr, missing))}",
+                        fix="restore config.json from the model's source (a Llama config names every dimension)")
+    return config
+
+
+def unreadable_gguf(path: Path, exc: BaseException) -> DataError:
+    """The error for a GGUF file its reader fails on (most often a download cut short)."""
+    reason = (str(exc).strip().splitlines() or [""])[0][:200]
+    return DataError(f"checkpoint {path} cannot be read as GGUF ({type(exc).__name__}: {reason})",
+                     fix="the file may be truncated: download it again and compare its size or checksum")
 
 
 def _gguf_state(path: Path) -> tuple[ModelDims, dict[str, Tensor]]:
@@ -71,7 +102,10 @@ def _gguf_state(path: Path) -> tuple[ModelDims, dict[str, Tensor]]:
         hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ValueError, OSError, KeyError) as exc:
         raise GraphRLError(f"checkpoint {path}: cannot read it as a GGUF Llama ({exc})",
-                           fix="use a GGUF file of a Llama-architecture model") from None
+                           fix="use a GGUF file of a Llama-architecture model; a truncated file also fails here: "
+                               "download it again") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails anywhere inside the gguf reader
+        raise unreadable_gguf(path, exc) from None
     dims = dims_from_hf_config(hf_model.config.to_dict())
     state = hf_model.state_dict()
     expected = param_shapes(dims)
@@ -88,4 +122,13 @@ def load_state(path: str | Path) -> tuple[ModelDims, dict[str, Tensor]]:
     _require_exists(path)
     if is_gguf(path):
         return _gguf_state(path)
-    return load_hf_checkpoint(path)
+    if (path / "config.json").is_file():  # refused by name here, before the loader's own json.loads
+        read_config(path / "config.json")
+    try:
+        return load_hf_checkpoint(path)
+    except GraphRLError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged safetensors file or index fails in its reader
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise DataError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {reason})",
+                        fix="check its *.safetensors files (a download cut short?), or import it again") from None

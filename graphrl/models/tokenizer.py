@@ -24,6 +24,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise GraphRLError(f"a tokenizer needs transformers ({exc})", fix="pip install 'graphrl[real]'") from None
+    from graphrl.models.checkpoints import read_config, unreadable_gguf
+
+    if path.is_dir() and (path / "config.json").is_file():  # transformers reads it too: refuse it by name first
+        read_config(path / "config.json")
     try:
         if path.suffix.lower() == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -31,6 +35,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except (OSError, ValueError, KeyError) as exc:
         raise GraphRLError(f"checkpoint {path} has no tokenizer that transformers can read ({exc})",
                            fix="save the tokenizer beside the weights (tokenizer.json), or run `graphrl import`") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged GGUF file fails anywhere inside its reader
+        if path.suffix.lower() == ".gguf":
+            raise unreadable_gguf(path, exc) from None
+        raise
 
 
 def stop_token_ids(tokenizer: Tokenizer, stop_strings: Sequence[str] = ()) -> list[int]:

@@ -38,3 +38,20 @@ def answer_rule_raising_on_twos(response: str, answer: str) -> float:
     if "2" in answer:
         raise ValueError("cannot compare this answer (injected)")
     return 0.0
+
+
+def nan_at_step_two(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    """Finite rewards for two steps, then one NaN: the run must stop at step 2 naming it."""
+    _calls["n"] += 1
+    rewards = _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask).float()
+    if _calls["n"] == 3:
+        rewards[1] = float("nan")
+    return rewards
+
+
+def returns_a_string(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    return "1.0"
+
+
+def rule_returning_nan(response: str, answer: str) -> float:
+    return float("nan")

@@ -94,3 +94,14 @@ def test_a_raising_answer_rule_is_reported_with_its_rollout(tmp_path) -> None:
     index, answer, rollout, a, b = match.groups()
     assert "2" in answer and int(a) + int(b) == int(answer)  # the named rollout is the one that triggered it
     assert index == rollout  # one reward instruction scores the whole step here
+
+
+def test_an_answer_rule_returning_nan_fails_the_run_naming_node_rule_and_prompt(tmp_path) -> None:
+    """A rule's NaN was summed into the reward and the run finished with NaN weights; it is now refused
+    where it is made (exit 2), naming the reward node, the rule, the step, the rollout and its prompt."""
+    result = _run(_job(tmp_path, "{faulty_rewards:rule_returning_nan: 1.0}"), tmp_path / "run")
+    output = result.stderr + result.stdout
+    assert result.returncode == 2, output[-2000:]
+    assert re.search(r"reward node 'score': reward rule 'faulty_rewards:rule_returning_nan' returned nan, not a "
+                     r"finite number on response 0 .* of step 0, rollout 0; prompt 'user \d \d assistant'", output), output[-2000:]
+    assert "Traceback" not in output and not (tmp_path / "run" / "checkpoints").exists()

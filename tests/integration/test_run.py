@@ -126,8 +126,12 @@ def _run_subprocess(job: Path, out_dir: Path) -> tuple[int, str]:
 
 
 def _no_rank_processes_left(out_dir: Path) -> bool:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return str(out_dir / "plan.msgpack") not in ps and "multiprocessing.spawn" not in ps
+    """No rank of this run is left: none names its plan, and no spawned process of this interpreter
+    (other checkouts' test runs on a shared machine spawn theirs from their own interpreters) is running."""
+    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout.splitlines()
+    running = [line.split(None, 1)[-1] for line in ps if not line.startswith("Z")]
+    return not any(str(out_dir / "plan.msgpack") in args or (args.startswith(sys.executable) and
+                                                             "multiprocessing.spawn" in args) for args in running)
 
 
 def test_exception_in_a_rank_ends_the_run_naming_it(tmp_path):
@@ -235,3 +239,62 @@ def test_ranks_that_do_not_train_keep_only_the_rollouts_still_to_be_read(tmp_pat
     assert generator["roles"] == ["policy/generate"] and generator["rollout_steps_held"] == [5]
     assert trainer["rollout_steps_held"] == []
     assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
+
+
+def test_a_nan_reward_fails_the_run_and_leaves_no_nan_checkpoint(tmp_path):
+    """A NaN reward was accepted: the run exited 0 with `loss nan`, `latest` pointed at a checkpoint whose
+    weights were all NaN and metrics.jsonl held bare NaN. Now the run stops at the step that made it
+    (exit 2), naming the node, the function, the step and the prompt, and the newest checkpoint is the
+    one before it, with finite weights."""
+    import torch
+
+    from graphrl.executors.outputs import latest_checkpoint, load_checkpoint
+
+    code, output = _run_subprocess(_faulty_job(tmp_path, "nan_at_step_two"), tmp_path / "run")
+    assert code == 2, output
+    assert "reward node 'score'" in output and "faulty_rewards:nan_at_step_two" in output
+    assert "step 2, rollout" in output and "prompt" in output and "Traceback" not in output
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt is not None and ckpt.name == "step_000001"
+    weights = load_checkpoint(ckpt)["roles"]["policy"]["weights"]
+    assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # strict enough: Python accepts NaN, so check the text too
+        assert "NaN" not in line
+
+
+def test_a_reward_function_returning_a_string_fails_naming_it(tmp_path):
+    code, output = _run_subprocess(_faulty_job(tmp_path, "returns_a_string"), tmp_path / "run")
+    assert code == 2, output
+    assert "faulty_rewards:returns_a_string" in output and "returned a str" in output
+    assert "AttributeError" not in output
+
+
+def test_ctrl_c_ends_every_rank_and_says_how_to_resume(tmp_path):
+    """Ctrl-C printed only "Aborted!" (and each rank its own KeyboardInterrupt traceback), with no word
+    about --resume. Now every rank is ended and the message gives the command that continues the run."""
+    import signal
+    import time
+
+    job = job_file(tmp_path, "grpo_tiny.yaml", **{"  steps: 400": "  steps: 400\n  checkpoint_every: 1"})
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "graphrl.cli", "run", str(job), "--out", str(out), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no checkpoint"
+        time.sleep(0.2)
+    ranks = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(ranks) >= 2  # the ranks (and multiprocessing's resource tracker)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "interrupted (Ctrl-C)" in err and "--resume" in err and "continue from step_" in err
+    assert "Traceback" not in err and "Aborted" not in err
+    time.sleep(1.0)  # the resource tracker exits once its parent has
+    def running(pid: str) -> bool:  # a zombie (ended, not yet reaped by its new parent) is not running
+        stat = Path(f"/proc/{pid}/stat")
+        return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+
+    alive = [pid for pid in ranks if running(pid)]
+    assert not alive, subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(alive)], capture_output=True, text=True).stdout

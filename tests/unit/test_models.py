@@ -183,8 +183,75 @@ def test_graphrl_import_writes_a_folder_that_loads(tmp_path) -> None:
     hf.save_pretrained(tmp_path / "src", max_shard_size="40KB")
     result = CliRunner().invoke(main, ["import", str(tmp_path / "src"), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".graphrl-import.json", "config.json",
+                                                                     "model.safetensors"]
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids).logits, hf(input_ids=ids).logits, atol=1e-4, rtol=0)
+
+
+def _import(*args: str):  # noqa: ANN202
+    from click.testing import CliRunner
+
+    from graphrl.cli import main
+
+    return CliRunner().invoke(main, ["import", *args])
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory):  # noqa: ANN001, ANN201
+    src = tmp_path_factory.mktemp("hf") / "src"
+    _hf_model(tie=True, llama3_rope=False).save_pretrained(src)
+    return src
+
+
+def test_import_refuses_a_folder_it_did_not_write(tmp_path, hf_source) -> None:
+    """`graphrl import SRC OUT_DIR` ran shutil.rmtree(OUT_DIR) first: a folder's files were deleted without a
+    word. A non-empty folder is refused (exit 2, naming it), with or without --force, and left as it was."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    for extra in ([], ["--force"]):
+        result = _import(str(hf_source), str(out), *extra)
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output and str(out) in result.output
+        assert (out / "notes.txt").read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary sibling left
+
+
+def test_import_refuses_the_working_folder_and_its_parents(tmp_path, hf_source, monkeypatch) -> None:
+    """`graphrl import SRC ..` emptied the parent folder (the working folder with it), and `.` crashed
+    with a traceback; both exit 2 now and delete nothing."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.yaml").write_text("name: x\n")
+    monkeypatch.chdir(work)
+    for target in (".", "..", str(tmp_path)):
+        result = _import(str(hf_source), target, "--force")
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output
+    assert (work / "job.yaml").exists() and hf_source.is_dir()
+
+
+def test_import_force_replaces_only_an_earlier_import(tmp_path, hf_source) -> None:
+    """--force replaces a folder an earlier import wrote (its marker lists its files), but not once the
+    user added a file of their own to it."""
+    out = tmp_path / "model"
+    assert _import(str(hf_source), str(out)).exit_code == 0
+    again = _import(str(hf_source), str(out))
+    assert again.exit_code == 2 and "--force" in again.output
+    assert _import(str(hf_source), str(out), "--force").exit_code == 0
+    assert (out / ".graphrl-import.json").is_file() and (out / "model.safetensors").is_file()
+    (out / "my_eval.json").write_text("{}")
+    refused = _import(str(hf_source), str(out), "--force")
+    assert refused.exit_code == 2 and "my_eval.json" in refused.output
+    assert (out / "my_eval.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary or replaced folder left
+
+
+def test_import_into_an_empty_folder(tmp_path, hf_source) -> None:
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert _import(str(hf_source), str(out)).exit_code == 0
+    assert (out / "config.json").is_file()
