@@ -342,8 +342,8 @@ class RankExecutor:
         if TRAITS[type(ins)].weights != "sets":
             return
         path = self.saved_versions.get((ins.model, ins.version))  # type: ignore[union-attr]
-        dst = self.roles.get(ins.dst_role if isinstance(ins, ReshardInPlace) else f"{ins.model}/generate")  # type: ignore[union-attr]
-        src = self.roles.get(ins.model)  # type: ignore[union-attr]
+        dst = self.roles.get(ins.dst_role)  # type: ignore[union-attr]
+        src = self.roles.get(ins.src_role)  # type: ignore[union-attr]
         if path is None or dst is None or (src is not None and dst.module is src.module):
             return
         from safetensors.torch import load_file
