@@ -81,7 +81,7 @@ EXPECTED: dict[str, Expect] = {
     "steps_quoted.yaml": Expect("schedule.steps", 45, "not a string (got '150')\n  fix: write the number without quotes"),
     "lr_quoted.yaml": Expect("algorithm.lr", 40, "must be a number, not a string (got '3.0e-3')"),
     "samples_per_prompt_float.yaml": Expect("nodes.rollout.samples_per_prompt", 21, "must be an integer (got 8.0)"),
-    "normalize_one.yaml": Expect("nodes.adv.normalize", 32, "must be true or false (got 1)"),
+    "normalize_one.yaml": Expect("nodes.adv.normalize", 32, "must be 'group', 'batch' or 'none'"),
     # -- counts and ranges --------------------------------------------------------------------------
     "batch_size_zero.yaml": Expect("nodes.prompts.batch_size", 15, "greater than 0"),
     "steps_negative.yaml": Expect("schedule.steps", 45, "greater than 0 (got -1)"),
