@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from graphrl.schemas.algorithms import (ESTIMATORS, LOSSES, KLEstimatorName, KLPlacement, LossAggregation,
                                         Normalization, check_name)
@@ -151,13 +151,16 @@ class AdvantageNode(_Node):
     def _known_estimator(cls, value: str) -> str:
         return check_name(value, ESTIMATORS)
 
-    @model_validator(mode="after")
-    def _offered_normalization(self) -> "AdvantageNode":
-        offered = ESTIMATORS[self.estimator].normalizations
-        if self.normalize is not None and self.normalize not in offered:
-            raise ValueError(f"estimator {self.estimator!r} offers normalize: {', '.join(offered)}; "
-                             f"got {self.normalize!r}")
-        return self
+    @field_validator("normalize")
+    @classmethod
+    def _offered_normalization(cls, value: Normalization | None, info: ValidationInfo) -> Normalization | None:
+        estimator = info.data.get("estimator")
+        if value is None or estimator is None:
+            return value
+        offered = ESTIMATORS[estimator].normalizations
+        if value not in offered:
+            raise ValueError(f"estimator {estimator!r} offers normalize: {', '.join(offered)}")
+        return value
 
     @property
     def normalization(self) -> Normalization:

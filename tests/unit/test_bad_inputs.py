@@ -114,6 +114,10 @@ EXPECTED: dict[str, Expect] = {
     # -- rules between settings ---------------------------------------------------------------------
     "model_trained_twice.yaml": Expect("nodes.update_again.model", 40, "trained by two nodes"),
     "kl_without_ref_logprobs.yaml": Expect("algorithm.kl_coef", 52, "ref_logprobs"),
+    "kl_k1_in_loss.yaml": Expect("algorithm.kl_estimator", 60, "kl_in: reward"),
+    "kl_k3_is_in_reward.yaml": Expect("algorithm.kl_estimator", 60, "a reward has no gradient"),
+    "kl_in_reward_grpo.yaml": Expect("algorithm.kl_in", 45, "reinforce_pp"),
+    "normalize_not_offered.yaml": Expect("nodes.adv.normalize", 33, "offers normalize: none"),
     "reward_fn_and_model.yaml": Expect("nodes.score", 33, "exactly one of 'fn'"),
     "reward_neither_fn_nor_model.yaml": Expect("nodes.score", 25, "exactly one of 'fn'"),
     "model_no_preset_no_dims.yaml": Expect("models.policy", 7, "exactly one of 'preset' or 'dims'"),
