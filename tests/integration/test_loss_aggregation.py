@@ -97,3 +97,14 @@ def test_kl_reward_shaping_and_whitened_gae_train_alike_on_two_ranks(tmp_path: P
     finally:
         path.unlink()
     assert_same_step(two, whole, "ppo kl in reward, 2 ranks")
+
+
+@pytest.mark.parametrize("layout", ["1 rank, micro-batches", "2 ranks fsdp2", "2 ranks tp"])
+def test_the_trainer_scores_responses_at_the_sampling_temperature(layout: str, tmp_path: Path) -> None:
+    """At temperature 0.6 the first step is on-policy: the trainer's log-probs, through every wrapper,
+    must equal the sampler's behaviour log-probs, so the ratio is 1 and the k3 estimate of
+    KL(pi_old || pi) is 0. A trainer at temperature 1 against a sampler at 0.6 (measured on this model at
+    initialisation) gives per-token log-ratios up to 0.67 and approx_kl 0.04."""
+    rows, _ = run("grpo_tiny.yaml", tmp_path, *LAYOUTS[layout], "nodes.rollout.temperature=0.6")
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(rows[0]["approx_kl"]) < 1e-7
