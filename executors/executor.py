@@ -512,7 +512,10 @@ class RankExecutor:
         inputs = alg.AdvantageInputs(rewards, r["response_mask"], values, self.group_size, spec, kl=kl,
                                      kl_coef=a.kl_coef, batch_sum=lambda x: self._batch_sum(x, group))
         adv, returns = alg.ADVANTAGE_FNS[spec.estimator](inputs)
-        self.values[(ins.step, ins.node, "advantages")] = {"advantages": adv.float(), "returns": returns.float()}
+        out = {"advantages": adv.float(), "returns": returns.float()}
+        if kl is not None:  # reported by the policy's train step as its `kl` metric
+            out["kl"] = torch.where(r["response_mask"], kl.float(), 0.0)
+        self.values[(ins.step, ins.node, "advantages")] = out
 
     def _batch_sum(self, x: Tensor, group: Any) -> Tensor:
         """`x` summed over the data-parallel ranks of `group` (each holds a part of the batch)."""
@@ -559,7 +562,8 @@ class RankExecutor:
                                                        b["response_mask"])
                         batch = loss_fns.PolicyBatch(
                             logprobs, entropy, part, r["behaviour_logprobs"][rows], None if ref is None else ref[rows],
-                            adv["advantages"][rows], b["response_mask"], weights.rows(rows))
+                            adv["advantages"][rows], b["response_mask"], weights.rows(rows),
+                            adv["kl"][rows] if "kl" in adv else None)
                         loss, part_metrics = loss_fns.policy_objective(batch, spec.loss, a)
                     # DDP / FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share.
                     (loss * dp_size).backward()

@@ -23,8 +23,9 @@ from graphrl.schemas.job import AlgorithmSpec
 class PolicyBatch:
     """A policy loss's tensors for some responses, [n, R] each: the current log-probs and entropy (of the
     sampling distribution, logits / T), the old policy's and the reference's log-probs (None when the
-    job has no such node), the generator's behaviour log-probs, the advantages, the mask and the
-    aggregation's weights."""
+    job has no such node), the generator's behaviour log-probs, the advantages, the mask, the
+    aggregation's weights and, with `kl_in: reward`, the per-token KL the rewards were shaped with
+    (reported, not differentiated)."""
 
     logprobs: Tensor
     entropy: Tensor
@@ -34,11 +35,13 @@ class PolicyBatch:
     advantages: Tensor
     mask: Tensor
     weights: alg.TokenWeights
+    reward_kl: Tensor | None = None
 
 
 def policy_objective(batch: PolicyBatch, loss_name: str, algorithm: AlgorithmSpec) -> tuple[Tensor, alg.Metrics]:
     """The policy loss `loss_name` + kl_coef * KL (when the KL is in the loss) - entropy_coef * entropy,
-    all aggregated with the same weights. Metrics: the loss's own, kl, entropy, loss (the total)."""
+    all aggregated with the same weights. Metrics: the loss's own, kl (in the loss, or the token mean of
+    the KL the rewards were shaped with), entropy, loss (the total)."""
     a = algorithm
     inputs = alg.PolicyLossInputs(batch.logprobs, batch.old_logprobs, batch.behaviour_logprobs, batch.advantages,
                                   batch.mask, a, batch.weights)
@@ -49,6 +52,8 @@ def policy_objective(batch: PolicyBatch, loss_name: str, algorithm: AlgorithmSpe
                                         sampling_logprobs=sampling, weights=batch.weights)
         loss = loss + a.kl_coef * kl
         metrics["kl"] = kl_metrics["kl"]
+    if batch.reward_kl is not None:
+        metrics["kl"] = alg.weighted_sum(batch.reward_kl, batch.weights.stats).item()
     entropy_loss, entropy_metrics = alg.entropy_bonus(batch.entropy, batch.mask, weights=batch.weights)
     if a.entropy_coef > 0:
         loss = loss + a.entropy_coef * entropy_loss

@@ -97,6 +97,11 @@ def test_kl_reward_shaping_and_whitened_gae_train_alike_on_two_ranks(tmp_path: P
     finally:
         path.unlink()
     assert_same_step(two, whole, "ppo kl in reward, 2 ranks")
+    # The KL the rewards were shaped with is reported (k1 on-policy: about 0 at step 0, the reference
+    # being the policy's initial copy, then moving off it), the same on both layouts.
+    kls = [r["kl"] for r in two[0]]
+    assert abs(kls[0]) < 1e-6 and abs(kls[1]) > 1e-6
+    assert kls == pytest.approx([r["kl"] for r in whole[0]], rel=LOSS_REL, abs=1e-9)
 
 
 @pytest.mark.parametrize("layout", ["1 rank, micro-batches", "2 ranks fsdp2", "2 ranks tp"])
