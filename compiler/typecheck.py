@@ -26,7 +26,7 @@ import networkx as nx
 from graphrl.errors import JobError, PlacementError
 from graphrl.ir import DataEdge, JobGraph
 from graphrl.ops import OPS, op_kind
-from graphrl.schemas.algorithms import LOSSES
+from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import RoleHint, parse_device_range
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
@@ -227,19 +227,54 @@ def _check_references(graph: JobGraph) -> None:
                                fix="use a registered task or a 'module:function' on PYTHONPATH") from None
 
 
-def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
-    job = graph.job
+def _check_kl(graph: JobGraph) -> tuple[str, ...]:
+    """The KL penalty: an estimator whose gradient (in the loss) or value (in the reward) means something
+    where it acts, and the reference log-probs wired to the node that uses them."""
+    a = graph.job.algorithm
+    if a.kl_coef == 0:
+        return ()
     warnings: list[str] = []
+    if a.kl_in == "loss" and a.kl_estimator == "k1":
+        raise JobError("kl_estimator k1 in the loss has zero expected gradient on-policy: it adds noise, not a "
+                       "penalty", path=("algorithm", "kl_estimator"),
+                       fix="use kl_estimator: k2 or k3_is (gradient of KL(pi || ref)) or k3 (of KL(ref || pi)), "
+                           "or put k1 in the reward with kl_in: reward")
+    if a.kl_in == "reward" and a.kl_estimator == "k3_is":
+        raise JobError("kl_estimator k3_is corrects the gradient of a loss term; a reward has no gradient",
+                       path=("algorithm", "kl_estimator"),
+                       fix="use kl_estimator: k1 (the usual reward penalty), k2 or k3 with kl_in: reward")
+    users = "train" if a.kl_in == "loss" else "advantage"
     for node in graph.nodes():
-        if node.op != "train" or LOSSES[node.spec.loss].trains == "critic":
-            continue
         ports = {e.dst_port for e in graph.in_edges(node.name)}
-        if job.algorithm.kl_coef > 0 and "ref_logprobs" not in ports:
+        if node.op == "train" and LOSSES[node.spec.loss].trains == "policy" and a.kl_in == "reward" \
+                and "ref_logprobs" in ports:
+            warnings.append(f"nodes.{node.name}.inputs.ref_logprobs: ignored: the KL is in the reward "
+                            "(algorithm.kl_in: reward)")
+        if node.op == "advantage" and a.kl_in == "loss" and "ref_logprobs" in ports:
+            warnings.append(f"nodes.{node.name}.inputs.ref_logprobs: ignored: the KL is in the loss "
+                            "(algorithm.kl_in: loss)")
+        if node.op != users or (users == "train" and LOSSES[node.spec.loss].trains == "critic"):
+            continue
+        if users == "advantage" and not ESTIMATORS[node.spec.estimator].token_rewards:
+            shaped = ", ".join(n for n in ESTIMATORS.names() if ESTIMATORS[n].token_rewards)
+            raise JobError(f"kl_in is reward, but estimator {node.spec.estimator!r} of node {node.name!r} has no "
+                           "per-token rewards to shape", path=("algorithm", "kl_in"),
+                           fix=f"use kl_in: loss, or an estimator that shapes token rewards ({shaped})")
+        if "ref_logprobs" not in ports:
             raise JobError(
-                f"kl_coef is {job.algorithm.kl_coef} but train node {node.name!r} has no 'ref_logprobs' input",
+                f"kl_coef is {a.kl_coef} but {node.op} node {node.name!r} has no 'ref_logprobs' input",
                 path=("algorithm", "kl_coef"),
                 fix=f"connect nodes.{node.name}.inputs.ref_logprobs to a reference logprob node, or set kl_coef: 0",
             )
+    return tuple(warnings)
+
+
+def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
+    job = graph.job
+    warnings: list[str] = list(_check_kl(graph))
+    for node in graph.nodes():
+        if node.op != "train" or LOSSES[node.spec.loss].trains == "critic":
+            continue
         if job.schedule.mode == "async" and not LOSSES[node.spec.loss].off_policy:
             corrected = ", ".join(name for name in LOSSES.names() if LOSSES[name].off_policy)
             warnings.append(

@@ -11,6 +11,7 @@ arrive in pieces (from one or several generator replicas) and are joined when a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -54,8 +55,10 @@ from graphrl.tasks import REWARDS, resolve_callable
 from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8
-from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
+from graphrl.executors import loss as loss_fns
 from graphrl.executors.guards import check_rewards, check_update, check_weights, reward_tensor
+from graphrl.executors.models.llama import (Llama, LlamaCritic, generate, sampling_temperature,
+                                            token_logprobs_and_entropy, token_values)
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
                                       finish_checkpoint, versions_ahead_file)
@@ -451,24 +454,46 @@ class RankExecutor:
     def logprob(self, ins: Logprob) -> None:
         role = self._forward_role(ins)
         r = self.read(ins, "rollouts")
-        with torch.no_grad():
-            if role.wrapped is not None:  # trained (DDP / FSDP2) or tensor-parallel: through its wrapper
-                lp, _ = role.wrapped(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
-            else:
-                lp, _ = token_logprobs_and_entropy(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
-                                                   r["response_mask"])
-        self.values[(ins.step, ins.node, "logprobs")] = lp.float()
+        parts = []
+        # Log-probs of the sampling distribution, logits / T, as the generator's behaviour log-probs.
+        with torch.no_grad(), sampling_temperature(role.module, self.gen_node.spec.temperature):
+            for rows in self._micro_batches(role, r["response_mask"].shape[0]):
+                b = {k: r[k][rows] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+                if role.wrapped is not None:  # trained (DDP / FSDP2) or tensor-parallel: through its wrapper
+                    lp, _ = role.wrapped(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+                else:
+                    lp, _ = token_logprobs_and_entropy(role.module, b["prompt_ids"], b["prompt_mask"],
+                                                       b["response_ids"], b["response_mask"])
+                parts.append(lp.float())
+        self.values[(ins.step, ins.node, "logprobs")] = torch.cat(parts)
 
     def value(self, ins: Value) -> None:
         role = self._forward_role(ins)
         r = self.read(ins, "rollouts")
+        parts = []
         with torch.no_grad():
-            if role.wrapped is not None:
-                values = role.wrapped(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
-            else:
-                values = token_values(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
-                                      r["response_mask"])
-        self.values[(ins.step, ins.node, "values")] = values.float() * r["response_mask"]
+            for rows in self._micro_batches(role, r["response_mask"].shape[0]):
+                b = {k: r[k][rows] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+                if role.wrapped is not None:
+                    values = role.wrapped(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+                else:
+                    values = token_values(role.module, b["prompt_ids"], b["prompt_mask"], b["response_ids"],
+                                          b["response_mask"])
+                parts.append(values.float())
+        self.values[(ins.step, ins.node, "values")] = torch.cat(parts) * r["response_mask"]
+
+    def _micro_batches(self, role: RoleState, num_rows: int) -> list[slice]:
+        """This rank's rows cut into micro-batches of at most `algorithm.micro_batch_size`. A trained role's
+        forward runs collectives over its data-parallel group (FSDP gathers, DDP buffers, tp), so the
+        group agrees on the count: the largest any rank needs. Frozen roles either run no collectives or
+        are tensor-parallel over ranks that hold the same rows, which agree already."""
+        num_micro = loss_fns.num_micro_batches(num_rows, self.job.algorithm.micro_batch_size)
+        group = self._data_parallel_group(role) if role.placement.kind == "train" else None
+        if group is not None and self.job.algorithm.micro_batch_size > 0:
+            count = torch.tensor([num_micro], dtype=torch.int64, device=self.rt.comm_device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+            num_micro = int(count.item())
+        return loss_fns.micro_batch_slices(num_rows, num_micro)
 
     def reward(self, ins: Reward) -> None:
         r = self.read(ins, "rollouts")
@@ -516,12 +541,32 @@ class RankExecutor:
 
     def advantage(self, ins: Advantage) -> None:
         spec = self.nodes[ins.node].spec
+        a = self.job.algorithm
         rewards = self.read(ins, "rewards")
         r = self.read(ins, "rollouts")
         values = self.read(ins, "values") if ESTIMATORS[spec.estimator].needs_values else None
-        inputs = alg.AdvantageInputs(rewards, r["response_mask"], values, self.group_size, spec)
+        kl = None
+        if a.kl_in == "reward" and a.kl_coef > 0:  # typecheck: the node reads the reference's log-probs
+            old = self.read(ins, "old_logprobs")
+            sampling = old if old is not None else r["behaviour_logprobs"]
+            kl = alg.kl_terms(sampling, self.read(ins, "ref_logprobs"), a.kl_estimator)
+        policy = self.roles.get(self.policy_role)
+        group = self._data_parallel_group(policy) if policy is not None and policy.placement.kind == "train" else None
+        inputs = alg.AdvantageInputs(rewards, r["response_mask"], values, self.group_size, spec, kl=kl,
+                                     kl_coef=a.kl_coef, batch_sum=lambda x: self._batch_sum(x, group))
         adv, returns = alg.ADVANTAGE_FNS[spec.estimator](inputs)
-        self.values[(ins.step, ins.node, "advantages")] = {"advantages": adv.float(), "returns": returns.float()}
+        out = {"advantages": adv.float(), "returns": returns.float()}
+        if kl is not None:  # reported by the policy's train step as its `kl` metric
+            out["kl"] = torch.where(r["response_mask"], kl.float(), 0.0)
+        self.values[(ins.step, ins.node, "advantages")] = out
+
+    def _batch_sum(self, x: Tensor, group: Any) -> Tensor:
+        """`x` summed over the data-parallel ranks of `group` (each holds a part of the batch)."""
+        if group is None:
+            return x
+        total = x.detach().to(device=self.rt.comm_device, dtype=torch.float64).clone()
+        dist.all_reduce(total, group=group)
+        return total.to(x.device)
 
     def train_step(self, ins: TrainStep) -> None:
         role = self.roles[ins.role]
@@ -536,35 +581,40 @@ class RankExecutor:
         mask = r["response_mask"]
         assert role.wrapped is not None and role.optimizer is not None
         module = role.wrapped
-        scale = self._token_mean_scale(role, mask)
+        critic = LOSSES[spec.loss].trains == "critic"
+        old = self.read(ins, "values") if critic else self.read(ins, "old_logprobs")
+        ref = None if critic else self.read(ins, "ref_logprobs")
+        weights, dp_size = self._loss_weights(role, mask)
+        slices = self._micro_batches(role, mask.shape[0])
+        temperature = self.gen_node.spec.temperature
         metrics: dict[str, float] = {}
         for _ in range(a.updates_per_step):
             role.optimizer.zero_grad(set_to_none=True)
-            if LOSSES[spec.loss].trains == "critic":
-                values = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
-                old = self.read(ins, "values")
-                loss, metrics = alg.critic_loss(values, old, adv["returns"], mask, a.value_clip)
-            else:
-                logprobs, entropy = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
-                old = self.read(ins, "old_logprobs")
-                behaviour = r["behaviour_logprobs"]
-                inputs = alg.PolicyLossInputs(logprobs, old, behaviour, adv["advantages"], mask, a)
-                loss, metrics = alg.POLICY_LOSS_FNS[spec.loss](inputs)
-                ref = self.read(ins, "ref_logprobs")
-                if ref is not None and a.kl_coef > 0:
-                    kl, kl_metrics = alg.kl_penalty(logprobs, ref, mask, a.kl_estimator)
-                    loss = loss + a.kl_coef * kl
-                    metrics["kl"] = float(kl.detach())
-                if a.entropy_coef > 0:
-                    ent, _ = alg.entropy_bonus(entropy, mask)
-                    loss = loss + a.entropy_coef * ent
-                metrics["entropy"] = float(alg.masked_mean(entropy.detach(), mask))
-            loss = loss * scale
-            loss.backward()  # DDP / FSDP2 average the gradients over the trainer's data-parallel ranks
+            metrics = {}
+            for k, rows in enumerate(slices):
+                b = {key: r[key][rows] for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+                part = None if old is None else old[rows]
+                with _gradient_sync(module, enabled=k == len(slices) - 1):
+                    if critic:
+                        values = module(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+                        loss, part_metrics = loss_fns.critic_objective(values, part, adv["returns"][rows],
+                                                                       b["response_mask"], weights.rows(rows), a)
+                    else:
+                        with sampling_temperature(role.module, temperature):
+                            logprobs, entropy = module(b["prompt_ids"], b["prompt_mask"], b["response_ids"],
+                                                       b["response_mask"])
+                        batch = loss_fns.PolicyBatch(
+                            logprobs, entropy, part, r["behaviour_logprobs"][rows], None if ref is None else ref[rows],
+                            adv["advantages"][rows], b["response_mask"], weights.rows(rows),
+                            adv["kl"][rows] if "kl" in adv else None)
+                        loss, part_metrics = loss_fns.policy_objective(batch, spec.loss, a)
+                    # DDP / FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share.
+                    (loss * dp_size).backward()
+                for key, value in part_metrics.items():
+                    metrics[key] = metrics.get(key, 0.0) + value * dp_size
             grad_norm = clip_grad_norm(list(role.module.parameters()), a.max_grad_norm)
             check_update(float(loss.detach()), float(grad_norm), node=ins.node, step=ins.step)
             role.optimizer.step()
-            metrics["loss"] = float(loss.detach())
             metrics["grad_norm"] = float(grad_norm)
         role.version = ins.version
         if ins.role == self.policy_role:
@@ -581,19 +631,22 @@ class RankExecutor:
             return self.mesh_groups[role.placement.mesh][0]
         return self.rt.group("trainer")
 
-    def _token_mean_scale(self, role: RoleState, mask: Tensor) -> float:
-        """What turns this rank's token mean into its share of the token mean over the whole batch.
+    def _loss_weights(self, role: RoleState, mask: Tensor) -> tuple[alg.TokenWeights, int]:
+        """The aggregation's token weights of this rank's responses, from the counts of the whole batch, and
+        the size of the data-parallel group.
 
-        The losses average over this rank's tokens, and the data-parallel wrappers average gradients
-        over ranks; with n ranks holding t_r of T tokens, scaling rank r's loss by n * t_r / T makes
-        the averaged gradient (and the reported mean loss) the batch's token mean, as on one rank."""
+        A loss aggregated with them is this rank's share of the batch's loss; the data-parallel wrappers
+        average gradients over the n ranks, so each rank backpropagates n times its share, and the
+        averaged gradient (and the reported mean loss) is the batch's, as on one rank."""
         group = self._data_parallel_group(role)
+        counts = alg.batch_counts(mask)
         if group is None:
-            return 1.0
-        counts = torch.tensor([float(mask.sum()), 1.0], dtype=torch.float64)
-        dist.all_reduce(counts, group=group)
-        total, ranks = float(counts[0]), float(counts[1])
-        return ranks * float(mask.sum()) / total if total > 0 else 1.0
+            return alg.token_weights(mask, self.job.algorithm.loss_agg, counts), 1
+        packed = torch.cat([counts, torch.ones(1, dtype=torch.float64)]).to(self.rt.comm_device)
+        dist.all_reduce(packed, group=group)
+        packed = packed.cpu()
+        weights = alg.token_weights(mask.cpu(), self.job.algorithm.loss_agg, packed[:2])
+        return alg.TokenWeights(weights.loss.to(mask.device), weights.stats.to(mask.device)), int(packed[2])
 
     def _report(self, ins: TrainStep, r: dict[str, Tensor], metrics: dict[str, float]) -> None:
         """All-reduce the step's figures over the trainer group and let its first rank write them."""
@@ -745,6 +798,32 @@ class RankExecutor:
             if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
                 export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
                                spec.checkpoint)
+
+
+def _gradient_sync(module: nn.Module, *, enabled: bool) -> Any:
+    """A context in which `module`'s backward does (or, for all but a step's last micro-batch, does not)
+    reduce gradients over the data-parallel ranks: DDP's `no_sync`, FSDP2's
+    `set_requires_gradient_sync`; nothing for a module without a wrapper."""
+    if enabled:
+        return contextlib.nullcontext()
+    if hasattr(module, "no_sync"):
+        return module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):
+        return _FsdpNoSync(module)
+    return contextlib.nullcontext()
+
+
+class _FsdpNoSync:
+    """FSDP2's gradient reduction switched off for the block (gradients accumulate unsharded)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 # One handler per instruction kind: the executor's part of each kind's meaning (`schemas.program.TRAITS`

@@ -120,8 +120,10 @@ class Job:
         return self._add(name, RewardNode, {"rollouts": rollouts}, dict(fn=fn, model=model, **fields))
 
     def advantage(self, name: str, estimator: str, *, rewards: Ref, rollouts: Ref,
-                  values: Ref | None = None, **fields: Any) -> NodeHandle:
-        inputs = {"rewards": rewards, "rollouts": rollouts, "values": values}
+                  values: Ref | None = None, ref_logprobs: Ref | None = None, old_logprobs: Ref | None = None,
+                  **fields: Any) -> NodeHandle:
+        inputs = {"rewards": rewards, "rollouts": rollouts, "values": values, "ref_logprobs": ref_logprobs,
+                  "old_logprobs": old_logprobs}
         return self._add(name, AdvantageNode, inputs, dict(estimator=estimator, **fields))
 
     def train(self, name: str, model: ModelHandle | str, *, loss: str, rollouts: Ref, advantages: Ref,

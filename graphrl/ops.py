@@ -105,6 +105,11 @@ def _advantage_ports(node: AdvantageNode) -> Ports:
     inputs = {"rewards": InPort(REWARDS), "rollouts": InPort(ROLLOUTS, doc="masks and group structure")}
     if ESTIMATORS[node.estimator].needs_values:
         inputs["values"] = InPort(VALUES, doc=f"critic values, needed by {node.estimator}")
+    if ESTIMATORS[node.estimator].token_rewards:
+        inputs["ref_logprobs"] = InPort(LOGPROBS, required=False, doc="reference log-probs, for KL reward shaping "
+                                        "(algorithm.kl_in: reward)")
+        inputs["old_logprobs"] = InPort(LOGPROBS, required=False, doc="log-probs of the sampling policy for KL "
+                                        "reward shaping (default: behaviour log-probs)")
     return Ports(inputs=inputs, outputs={"advantages": OutPort(ADVANTAGES)})
 
 

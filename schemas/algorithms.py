@@ -13,6 +13,18 @@ from typing import Literal
 
 from graphrl.registry import Registry
 
+Normalization = Literal["group", "batch", "none"]
+"""How an estimator scales its advantages: by the std of each prompt's group, by the std over the whole
+batch (every data-parallel rank's responses), or not at all."""
+KLEstimatorName = Literal["k1", "k2", "k3", "k3_is"]
+"""Per-token estimators of KL(pi || pi_ref) (Schulman 2020; k3_is: Tang & Munos 2025)."""
+KLPlacement = Literal["loss", "reward"]
+"""Where the KL penalty acts: a term of the policy loss, or a per-token reward before the advantage."""
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+"""How per-token losses become one number: the mean over every real token of the batch (DAPO), the mean
+over responses of each response's token mean (GRPO paper), the mean over responses of each response's
+token sum divided by the generation budget R (Dr. GRPO)."""
+
 
 @dataclass(frozen=True)
 class EstimatorKind:
@@ -21,6 +33,10 @@ class EstimatorKind:
     name: str
     needs_values: bool  # reads the critic's values (an input port `values`)
     doc: str
+    # The `normalize` choices the estimator offers; the first is its default.
+    normalizations: tuple[Normalization, ...] = ("none",)
+    # Builds per-token rewards, so a KL penalty can shape them (`algorithm.kl_in: reward`).
+    token_rewards: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,10 +53,12 @@ ESTIMATORS: Registry[EstimatorKind] = Registry("advantage estimator")
 LOSSES: Registry[LossKind] = Registry("loss")
 
 for _kind in (
-    EstimatorKind("grpo", False, "group-relative: (r - mean_group) / std_group"),
-    EstimatorKind("rloo", False, "leave-one-out baseline within the group"),
-    EstimatorKind("reinforce_pp", False, "REINFORCE++: discounted returns, normalised over the batch"),
-    EstimatorKind("gae", True, "generalised advantage estimation with the critic's values"),
+    EstimatorKind("grpo", False, "group-relative: (r - mean_group) / std_group", ("group", "batch", "none")),
+    EstimatorKind("rloo", False, "leave-one-out baseline within the group", ("none",)),
+    EstimatorKind("reinforce_pp", False, "REINFORCE++: discounted returns, normalised over the batch",
+                  ("batch", "none"), token_rewards=True),
+    EstimatorKind("gae", True, "generalised advantage estimation with the critic's values", ("none", "batch"),
+                  token_rewards=True),
 ):
     ESTIMATORS.add(_kind.name, _kind)
 

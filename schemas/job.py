@@ -10,9 +10,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from graphrl.schemas.algorithms import ESTIMATORS, LOSSES, check_name
+from graphrl.schemas.algorithms import (ESTIMATORS, LOSSES, KLEstimatorName, KLPlacement, LossAggregation,
+                                        Normalization, check_name)
 from graphrl.schemas.base import Boolean, Frozen, Integer, Real
 from graphrl.schemas.model import ModelSpec
 
@@ -92,7 +93,11 @@ class GenerateNode(_Node):
     model: str = Field(description="Model whose weights generate.")
     samples_per_prompt: Integer = Field(default=1, gt=0, description="Responses per prompt (the GRPO group size).")
     max_new_tokens: Integer = Field(gt=0, description="Longest response in tokens.")
-    temperature: Real = Field(default=1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    temperature: Real = Field(
+        default=1.0, ge=0,
+        description="Sampling temperature; 0 is greedy. Every log-prob of the responses (behaviour, old, new, "
+        "reference) and the entropy are of this distribution, softmax(logits / temperature) (top_p ignored); "
+        "at 0 they are of softmax(logits).")
     top_p: Real = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
     stop: list[str] = Field(
         default_factory=list, description="Extra stop strings (single tokens) besides the tokenizer's end tokens."
@@ -141,12 +146,32 @@ class AdvantageNode(_Node):
                            json_schema_extra={"enum": ESTIMATORS.names()})
     gamma: Real = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
     lam: Real = Field(default=0.95, ge=0, le=1, description="GAE lambda.")
-    normalize: Boolean = Field(default=True, description="Divide group-relative advantages by their std (GRPO).")
+    normalize: Normalization | None = Field(
+        default=None,
+        description="Divide the advantages by a std: 'group' (each prompt's group, GRPO), 'batch' (the whole "
+        "batch: REINFORCE++'s normalisation, GAE whitening), 'none' (Dr. GRPO). Unset: the estimator's default "
+        "(grpo: group, reinforce_pp: batch, gae and rloo: none).")
 
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, value: str) -> str:
         return check_name(value, ESTIMATORS)
+
+    @field_validator("normalize")
+    @classmethod
+    def _offered_normalization(cls, value: Normalization | None, info: ValidationInfo) -> Normalization | None:
+        estimator = info.data.get("estimator")
+        if value is None or estimator is None:
+            return value
+        offered = ESTIMATORS[estimator].normalizations
+        if value not in offered:
+            raise ValueError(f"estimator {estimator!r} offers normalize: {', '.join(offered)}")
+        return value
+
+    @property
+    def normalization(self) -> Normalization:
+        """`normalize`, or the estimator's default when unset."""
+        return self.normalize if self.normalize is not None else ESTIMATORS[self.estimator].normalizations[0]
 
 
 class TrainNode(_Node):
@@ -177,14 +202,36 @@ class AlgorithmSpec(Frozen):
     betas: tuple[Real, Real] = Field(default=(0.9, 0.95), description="Adam betas.")
     weight_decay: Real = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: Real = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    clip_eps: Real = Field(default=0.2, gt=0, description="PPO/GRPO ratio clip epsilon.")
+    clip_eps: Real = Field(default=0.2, gt=0, description="PPO/GRPO ratio clip epsilon: the ratio is clipped to "
+                           "[1 - clip_eps, 1 + clip_eps_high].")
+    clip_eps_high: Real | None = Field(
+        default=None, gt=0, description="Upper ratio clip epsilon (DAPO's clip-higher, e.g. 0.28); unset = clip_eps.")
+    dual_clip_c: Real | None = Field(
+        default=None, gt=1, description="Dual-clip PPO (Ye et al. 2020): on tokens with a negative advantage the "
+        "objective is at least c * A, bounding the loss of a very large ratio (typically 3); unset = off.")
+    loss_agg: LossAggregation = Field(
+        default="token_mean",
+        description="How per-token losses are averaged: 'token_mean' over every real token of the batch (DAPO), "
+        "'seq_mean_token_mean' the mean over responses of their token means (GRPO paper), "
+        "'seq_mean_token_sum_norm' the mean over responses of their token sums / max_new_tokens (Dr. GRPO). "
+        "The same on every layout and rank count; applies to the KL, entropy and critic terms too.")
     kl_coef: Real = Field(default=0.0, ge=0, description="Weight of the KL penalty to the reference model.")
-    kl_estimator: Literal["k1", "k3"] = Field(default="k3", description="KL estimator (Schulman's k1 or k3).")
+    kl_estimator: KLEstimatorName = Field(
+        default="k3",
+        description="Per-token KL estimator, d = ref_logp - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1, "
+        "k3_is = k3 * pi / sg(pi_sampling). In the loss, the expected gradient of k2 and k3_is is that of "
+        "KL(pi || ref), of k3 that of KL(ref || pi), and of k1 zero (refused there).")
+    kl_in: KLPlacement = Field(
+        default="loss",
+        description="'loss': kl_coef * KL is a term of the policy loss (GRPO); 'reward': -kl_coef * KL is added "
+        "to each token's reward before the advantage (REINFORCE++, PPO with GAE), with no gradient through it.")
     entropy_coef: Real = Field(default=0.0, ge=0, description="Entropy bonus weight.")
     aipo_rho: Real = Field(
         default=4.0, gt=1, description="AIPO truncation: importance weight min(pi/mu, rho) (typically 2..10)."
     )
-    micro_batch_size: Integer = Field(default=0, ge=0, description="Responses per forward/backward; 0 = whole batch.")
+    micro_batch_size: Integer = Field(
+        default=0, ge=0, description="Responses per forward (and backward) on each rank; gradients accumulate over "
+        "a rank's micro-batches, so the step equals the whole-batch step. 0 = a rank's whole batch at once.")
     updates_per_step: Integer = Field(default=1, gt=0, description="Optimizer steps per batch (PPO epochs).")
     value_clip: Real = Field(default=0.2, gt=0, description="Critic value clipping range.")
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -391,10 +392,11 @@ def count_params(dims: ModelDims, head: Head = "lm") -> int:
 class GenerationOutput:
     """Sampled responses. R = max_new_tokens, even when every row stopped early (the rest is pad).
 
-    logprobs are log pi(token) under the model's raw distribution (temperature 1, no top-p), not
-    under the tempered/truncated distribution the token was drawn from: that is the policy the
-    trainer recomputes with `token_logprobs`, so behaviour and training log-probs compare like with
-    like (and agree exactly when the weights are the same).
+    logprobs are log softmax(logits / T)(token), T the sampling temperature (T = 0, greedy: T = 1 is
+    used), top-p ignored: the distribution the token was drawn from before truncation. The trainer
+    recomputes the same quantity (`token_logprobs` under `sampling_temperature(model, T)`), so behaviour,
+    old, new and reference log-probs compare like with like, and pi/mu is the ratio to the distribution
+    that drew the token.
     """
 
     response_ids: Tensor  # int64 [B, R]
@@ -456,13 +458,15 @@ def generate(
     uniforms[b, t], so each row's sample is the same however the batch is split. After a row
     emits `eos_id` (or any of several stop ids: a chat model's end-of-turn and end-of-text) it is
     padded with `pad_id` (mask False, logprob 0); the loop stops once all rows
-    have. `temperature == 0` is greedy decoding.
+    have. `temperature == 0` is greedy decoding. The log-probs are of softmax(logits / temperature)
+    (see `GenerationOutput`).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     _check_left_padded(prompt_mask)
+    logprob_temperature = logprob_temperature_of(temperature)
     batch_size, prompt_len = prompt_ids.shape
     if uniforms is not None and tuple(uniforms.shape) != (batch_size, max_new_tokens):
         raise ValueError(f"uniforms must have shape {(batch_size, max_new_tokens)}, got {tuple(uniforms.shape)}")
@@ -483,7 +487,8 @@ def generate(
         token_b = _sample(logits_bv, temperature, top_p, generator, None if uniforms is None else uniforms[:, step])
         live_b = ~done_b
         token_b = torch.where(live_b, token_b, pad_id)
-        token_logprob_b = torch.log_softmax(logits_bv, dim=-1).gather(-1, token_b[:, None]).squeeze(-1)
+        logp_bv = torch.log_softmax(logits_bv / logprob_temperature, dim=-1)
+        token_logprob_b = logp_bv.gather(-1, token_b[:, None]).squeeze(-1)
         response_ids[:, step] = token_b
         response_mask[:, step] = live_b
         logprobs[:, step] = torch.where(live_b, token_logprob_b, 0.0)
@@ -498,6 +503,31 @@ def generate(
         hidden = model.hidden_states(token_b[:, None], live_b[:, None], kv_cache=cache)
         logits_bv = model.logits(hidden[:, -1])
     return GenerationOutput(response_ids=response_ids, response_mask=response_mask, logprobs=logprobs)
+
+
+def logprob_temperature_of(sampling_temperature: float) -> float:
+    """The temperature log-probs are taken at: the sampling one, or 1 for greedy decoding (T = 0), which
+    has no sampling distribution."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
+
+
+@contextmanager
+def sampling_temperature(model: nn.Module, temperature: float) -> Iterator[None]:
+    """Within the block, every logit `model` computes is divided by `logprob_temperature_of(temperature)`,
+    whichever way the logits are formed (an lm_head, a tied embedding, a tensor-parallel or FSDP wrapper
+    around the model): the final norm's output, which every head multiplies, is scaled by 1 / T.
+    Autograd records the division, so a backward after the block is that of the tempered loss. A no-op
+    at T = 1 and for models without a final norm (`model.model.norm`)."""
+    scale = logprob_temperature_of(temperature)
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if scale == 1.0 or not isinstance(norm, nn.Module):
+        yield
+        return
+    handle = norm.register_forward_hook(lambda module, args, output: output / scale)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _response_hidden(

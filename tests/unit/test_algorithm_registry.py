@@ -66,3 +66,24 @@ def test_a_job_naming_an_unknown_one_is_refused_with_the_known_names(field: str,
 def test_node_specs_accept_every_registered_name() -> None:
     for name in LOSSES.names():
         assert TrainNode(model="policy", loss=name).loss == name
+
+
+@pytest.mark.parametrize("name", ESTIMATORS.names())
+def test_an_estimator_reads_reference_logprobs_exactly_when_it_shapes_token_rewards(name: str) -> None:
+    """`kl_in: reward` needs the estimator to take the reference's log-probs; the others have no such port,
+    so a job cannot wire a KL the estimator would drop."""
+    ports = OPS["advantage"].ports(AdvantageNode(estimator=name))
+    assert ("ref_logprobs" in ports.inputs) == ESTIMATORS[name].token_rewards
+    assert ("ref_logprobs" in ports.inputs) == ("old_logprobs" in ports.inputs)
+
+
+@pytest.mark.parametrize("name", ESTIMATORS.names())
+def test_every_offered_normalization_runs_and_the_default_is_offered(name: str) -> None:
+    kind = ESTIMATORS[name]
+    assert AdvantageNode(estimator=name).normalization == kind.normalizations[0]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    values = torch.randn(4, 3) if kind.needs_values else None
+    for normalize in kind.normalizations:
+        node = AdvantageNode(estimator=name, normalize=normalize)
+        adv, _ = alg.ADVANTAGE_FNS[name](alg.AdvantageInputs(torch.tensor([1.0, 0.0, 0.5, 0.25]), mask, values, 2, node))
+        assert torch.isfinite(adv).all() and torch.all(adv[~mask] == 0)

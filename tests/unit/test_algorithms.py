@@ -65,7 +65,7 @@ def test_grpo_group_of_four() -> None:
 
 
 def test_grpo_without_normalization_and_with_equal_rewards() -> None:
-    close(grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, normalize=False), [0.5, -0.5, -0.5, 0.5])
+    close(grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, normalize="none"), [0.5, -0.5, -0.5, 0.5])
     close(grpo_advantages(torch.tensor([1.0, 1.0, 3.0, 3.0]), 2), [0.0, 0.0, 0.0, 0.0])
 
 
@@ -106,9 +106,9 @@ def test_reinforce_pp_kl_shaping_and_discount_unnormalized() -> None:
     """
     mask = torch.tensor([[T, T, F]])
     kl = torch.tensor([[0.5, 1.0, 7.0]])
-    adv = reinforce_pp_advantages(torch.tensor([1.0]), mask, kl=kl, kl_coef=0.1, normalize=False)
+    adv = reinforce_pp_advantages(torch.tensor([1.0]), mask, kl=kl, kl_coef=0.1, normalize="none")
     close(adv, [[0.85, 0.9, 0.0]])
-    adv = reinforce_pp_advantages(torch.tensor([1.0]), mask, kl=kl, kl_coef=0.1, gamma=0.5, normalize=False)
+    adv = reinforce_pp_advantages(torch.tensor([1.0]), mask, kl=kl, kl_coef=0.1, gamma=0.5, normalize="none")
     close(adv, [[0.4, 0.9, 0.0]])
 
 
@@ -192,8 +192,8 @@ def test_kl_penalty_k1_and_k3() -> None:
 
 
 def test_kl_penalty_rejects_unknown_estimator() -> None:
-    with pytest.raises(ValueError, match="k2"):
-        kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), "k2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k3_is"):
+        kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), "k4")  # type: ignore[arg-type]
 
 
 def test_entropy_bonus() -> None:

@@ -81,7 +81,7 @@ EXPECTED: dict[str, Expect] = {
     "steps_quoted.yaml": Expect("schedule.steps", 45, "not a string (got '150')\n  fix: write the number without quotes"),
     "lr_quoted.yaml": Expect("algorithm.lr", 40, "must be a number, not a string (got '3.0e-3')"),
     "samples_per_prompt_float.yaml": Expect("nodes.rollout.samples_per_prompt", 21, "must be an integer (got 8.0)"),
-    "normalize_one.yaml": Expect("nodes.adv.normalize", 32, "must be true or false (got 1)"),
+    "normalize_one.yaml": Expect("nodes.adv.normalize", 32, "must be 'group', 'batch' or 'none'"),
     # -- counts and ranges --------------------------------------------------------------------------
     "batch_size_zero.yaml": Expect("nodes.prompts.batch_size", 15, "greater than 0"),
     "steps_negative.yaml": Expect("schedule.steps", 45, "greater than 0 (got -1)"),
@@ -114,6 +114,10 @@ EXPECTED: dict[str, Expect] = {
     # -- rules between settings ---------------------------------------------------------------------
     "model_trained_twice.yaml": Expect("nodes.update_again.model", 40, "trained by two nodes"),
     "kl_without_ref_logprobs.yaml": Expect("algorithm.kl_coef", 52, "ref_logprobs"),
+    "kl_k1_in_loss.yaml": Expect("algorithm.kl_estimator", 60, "kl_in: reward"),
+    "kl_k3_is_in_reward.yaml": Expect("algorithm.kl_estimator", 60, "a reward has no gradient"),
+    "kl_in_reward_grpo.yaml": Expect("algorithm.kl_in", 45, "reinforce_pp"),
+    "normalize_not_offered.yaml": Expect("nodes.adv.normalize", 33, "offers normalize: none"),
     "reward_fn_and_model.yaml": Expect("nodes.score", 33, "exactly one of 'fn'"),
     "reward_neither_fn_nor_model.yaml": Expect("nodes.score", 25, "exactly one of 'fn'"),
     "model_no_preset_no_dims.yaml": Expect("models.policy", 7, "exactly one of 'preset' or 'dims'"),
