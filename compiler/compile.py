@@ -7,6 +7,7 @@ from typing import Any, Callable
 from graphrl.errors import GraphRLError
 from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob
+from graphrl.schemas.capabilities import Target
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.plan import Plan
 
@@ -16,9 +17,11 @@ from graphrl.compiler.passes import CompileContext, run_passes
 from graphrl.compiler.pipeline import PIPELINE
 
 
-def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **options: Any) -> Plan:
-    """Run the whole pipeline; user errors are located in the job file."""
-    graph = compile_graph(job, cluster, check=check, **options)
+def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, target: Target = "preview",
+                **options: Any) -> Plan:
+    """Run the whole pipeline; user errors are located in the job file. `target` 'run' keeps the search
+    and the pin checks to what the executors run (`graphrl.schemas.capabilities`)."""
+    graph = compile_graph(job, cluster, check=check, target=target, **options)
     return plan_of(graph, cluster)
 
 
@@ -32,11 +35,12 @@ def plan_of(graph: JobGraph, cluster: ClusterSpec) -> Plan:
 
 
 def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False,
-                  progress: Callable[[str], None] | None = None, **options: Any) -> JobGraph:
+                  progress: Callable[[str], None] | None = None, target: Target = "preview",
+                  **options: Any) -> JobGraph:
     """The final graph of the pipeline, with every pass's attributes (placement, programs ...).
     `progress` hears the name of each pass as it starts."""
     hardware = resolve_hardware(cluster)
-    ctx = CompileContext(job.spec, cluster, hardware, dict(options))
+    ctx = CompileContext(job.spec, cluster, hardware, dict(options), target)
     on_start = (lambda p: progress(p.name)) if progress is not None else None
     try:
         graph = run_passes(build_graph(job.spec), ctx, PIPELINE, check=check, on_start=on_start)

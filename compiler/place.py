@@ -83,7 +83,7 @@ def check_placement(graph: JobGraph) -> list[str]:
 def place(graph: JobGraph, ctx: CompileContext) -> JobGraph:
     """Search layouts; keep the best, the colocated-synchronous baseline and the candidate summaries."""
     assert ctx.cluster is not None and ctx.hardware is not None
-    problem = make_problem(graph, ctx.cluster, ctx.hardware)
+    problem = make_problem(graph, ctx.cluster, ctx.hardware, ctx.target)
     result = search(problem, exhaustive=bool(ctx.options.get("exhaustive", False)))
     best, method = result.best, "analytical"
     chosen = to_layout(problem, best)

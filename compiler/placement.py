@@ -28,6 +28,7 @@ from typing import Literal
 
 from graphrl.errors import PlacementError
 from graphrl.ir import JobGraph
+from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
@@ -143,6 +144,9 @@ class Problem:
     hw: HardwareSpec
     hints: PlacementHints
     mode: Literal["sync", "async"]
+    target: Target = "preview"
+    """`run`: only layouts the executors run (`graphrl.schemas.capabilities`); `preview`: also a
+    preview-only choice the user pinned (a pp > 1)."""
 
     @property
     def num_devices(self) -> int:
@@ -207,6 +211,7 @@ def _train_state(p: Problem, role: Role, cfg: TrainCfg) -> tuple[cost.MemoryBrea
     return cost.training_memory(
         role.dims, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp, sharding=cfg.sharding,  # type: ignore[arg-type]
         micro_batch_tokens=_micro_tokens(p, cfg), seq_len=p.workload.seq_len, recompute=cfg.recompute,
+        compute_bytes=role.weight_bytes,
     )
 
 
@@ -217,10 +222,12 @@ def _infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
     micro = min(local, w.micro_batch) if w.micro_batch else local
     mem = cost.inference_memory(role.dims, tp=cfg.tp, pp=cfg.pp, precision="bf16", batch=micro,
                                 context_len=w.seq_len, generator=False)
+    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
+    mem = replace(mem, params=cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp))
     d = cfg.dp * cfg.fsdp
     if d > 1:
-        layer = cost.layer_params(role.dims) / cfg.tp * cost.BF16_BYTES
-        mem = replace(mem, params=mem.params / d + 2 * layer)
+        layer = cost.layer_params(role.dims) / cfg.tp * dtype_bytes
+        mem = replace(mem, params=mem.params / d + 2 * layer, gathered=2 * layer)
     return mem
 
 
@@ -447,7 +454,8 @@ def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
 
 
 def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
-    """Trainer layouts over devices [first, first+n) that respect the policy's pins."""
+    """Trainer layouts over devices [first, first+n) that respect the policy's pins and that the executors
+    run (the capability table); for a preview, a preview-only choice the user pinned is laid out too."""
     role = p.policy
     hint = p.hint(role.name)
     shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
@@ -455,8 +463,9 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
     out = []
     for tp, pp, dp, fsdp in train_shapes(role, hint, n, p.per_node):
         for sharding in shardings:
-            if sharding != "none" and dp * fsdp == 1 and len(shardings) > 1:
-                continue  # nothing to shard over; 'none' covers it
+            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
+            if refusal is not None and not (p.target == "preview" and refusal.field == "pp" and hint.pp == pp):
+                continue
             for recompute in (False, True):
                 for offload in offloads:
                     out.append(TrainCfg(first, n, dp, fsdp, tp, pp, sharding, recompute, offload))
@@ -467,7 +476,9 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     role = p.generator
     assert role is not None
     hint = p.hint(role.name)
-    precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if p.hw.peak_fp8_flops > 0 else ["bf16"])
+    fp8 = hardware_has_fp8(p.hw.peak_fp8_flops)
+    precisions = [prec for prec in ([hint.precision] if hint.precision else ["bf16", "fp8"])
+                  if precision_refusal("generate", prec, hardware_fp8=fp8) is None]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 
@@ -690,12 +701,9 @@ def check_pins(p: Problem) -> None:
                 raise PlacementError(
                     f"device range {hint.devices!r} is outside the cluster's {p.num_devices} devices "
                     f"(0-{p.num_devices - 1})", path=path + ("devices",), fix="pin a range inside the cluster")
-        if hint.precision == "fp8" and p.hw.peak_fp8_flops <= 0:
-            raise PlacementError(f"hardware {p.hw.name} has no fp8 support", path=path + ("precision",),
-                                 fix="use precision: bf16")
-        if hint.precision == "fp8" and role.kind != "generate":
-            raise PlacementError("only generation copies can run in fp8", path=path + ("precision",),
-                                 fix=f"pin precision on '{role.model}/generate'")
+        if hint.precision is not None and (refusal := precision_refusal(
+                role.kind, hint.precision, hardware_fp8=hardware_has_fp8(p.hw.peak_fp8_flops))) is not None:
+            raise PlacementError(f"{refusal.why} (hardware {p.hw.name})", path=path + ("precision",), fix=refusal.fix)
     for i, group in enumerate(p.hints.colocate):
         for name in group:
             if name not in names:
@@ -703,11 +711,12 @@ def check_pins(p: Problem) -> None:
                                      fix=f"use roles: {', '.join(names)}")
 
 
-def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec) -> Problem:
+def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec, target: Target = "preview") -> Problem:
     roles = derive_roles(graph)
     if not any(r.kind == "train" for r in roles):
         raise PlacementError("the job trains no model", path=("nodes",), fix="add a train node")
-    p = Problem(tuple(roles), derive_workload(graph), cluster, hw, graph.job.placement, graph.job.schedule.mode)
+    p = Problem(tuple(roles), derive_workload(graph), cluster, hw, graph.job.placement, graph.job.schedule.mode,
+                target)
     check_pins(p)
     return p
 
@@ -718,7 +727,7 @@ def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec) -> Pro
 
 def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
     return MemoryBytes(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
-                       kv_cache=m.kv_cache)
+                       kv_cache=m.kv_cache, gathered=m.gathered)
 
 
 def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey, float]:
