@@ -71,8 +71,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                    "state of its share of the parameters and broadcasts them after its step",
                requires="more than one data-parallel rank, tp 1"),
     Capability(kind="sharding", value="zero2", roles=("train",), support="runs",
-               how="FSDP2 `fully_shard(reshard_after_forward=False)`: gradients and optimizer state sharded, "
-                   "weights gathered once per step and kept through backward",
+               how="FSDP2 `fully_shard(reshard_after_forward=False)`: weights, gradients and optimizer state "
+                   "rest as shards; the weights are gathered once per step and kept from forward through backward",
                requires="more than one data-parallel rank"),
     Capability(kind="sharding", value="fsdp", roles=("train",), support="runs",
                how="FSDP2 `fully_shard` (ZeRO-3): weights, gradients and optimizer state sharded, weights "
@@ -196,12 +196,28 @@ def plan_refusals(plan: "Plan") -> list[PlanRefusal]:
     return out
 
 
-def what_runs_rows() -> list[tuple[str, str, str, str]]:
-    """(choice kind, value, role kinds, condition) of every entry that runs: the README's table."""
-    return [(c.kind, c.value, ", ".join(c.roles), c.requires or "always")
+def what_runs_rows() -> list[tuple[str, str, str, str, str]]:
+    """(choice kind, value, role kinds, how it runs, condition) of every entry that runs."""
+    return [(c.kind, c.value, ", ".join(c.roles), c.how, c.requires or "always")
             for c in CAPABILITIES if c.support == "runs"]
+
+
+def what_runs_markdown() -> str:
+    """The README's "what runs" table, generated from `CAPABILITIES` (a test checks the README holds it):
+    every choice the search can make for `run`, then the preview-only ones."""
+    lines = ["| choice | value | roles | how it runs | when |", "|---|---|---|---|---|"]
+    lines += [f"| {kind} | `{value}` | {roles} | {how} | {when} |" for kind, value, roles, how, when in what_runs_rows()]
+    lines += ["", "Preview only (`graphrl compile` lays them out when pinned; `run` and `launch` refuse them):", "",
+              "| choice | value | roles | why |", "|---|---|---|---|"]
+    lines += [f"| {c.kind} | `{c.value}` | {', '.join(c.roles)} | {c.how} |"
+              for c in CAPABILITIES if c.support == "preview_only"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m graphrl.schemas.capabilities: the README table
+    print(what_runs_markdown())
 
 
 __all__ = ["CAPABILITIES", "Capability", "PlanRefusal", "Refusal", "Target", "capability", "dtype_refusal",
            "hardware_has_fp8", "plan_refusals", "precision_refusal", "runs", "train_layout_refusal",
-           "what_runs_rows"]
+           "what_runs_markdown", "what_runs_rows"]
