@@ -216,7 +216,8 @@ def _train_state(p: Problem, role: Role, cfg: TrainCfg) -> tuple[cost.MemoryBrea
 
 
 def _infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
-    """A frozen model beside the trainer: weights sharded like the trainer's (ZeRO-3 inference)."""
+    """A frozen model beside the trainer: split over tp like the trainer, its decoder layers sharded over
+    the data-parallel ranks (ZeRO-3 inference), the embedding, final norm and head whole."""
     w = p.workload
     local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
     micro = min(local, w.micro_batch) if w.micro_batch else local
@@ -225,9 +226,11 @@ def _infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
     dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
     mem = replace(mem, params=cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp))
     d = cfg.dp * cfg.fsdp
-    if d > 1:
+    if d > 1:  # the decoder layers are sharded over d and gathered one (and the prefetched one) at a time;
+        # the embedding, final norm and head stay whole (`executors.parallel.shard_frozen`)
         layer = cost.layer_params(role.dims) / cfg.tp * dtype_bytes
-        mem = replace(mem, params=mem.params / d + 2 * layer, gathered=2 * layer)
+        layers = role.dims.num_layers / cfg.pp * layer
+        mem = replace(mem, params=mem.params - layers + layers / d + 2 * layer, gathered=2 * layer)
     return mem
 
 

@@ -59,8 +59,8 @@ from graphrl.executors.checkpointing import load_inflight, load_role_state, save
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
                                       finish_checkpoint)
 from graphrl.executors.parallel import (build_optimizer, clip_grad_norm, copy_full_weights, full_state_dict,
-                                        tensor_parallel_infer, trainer_mesh_groups, wrap_tensor_parallel_trainer,
-                                        wrap_trainer)
+                                        shard_frozen, tensor_parallel_infer, trainer_mesh_groups,
+                                        wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import COLLECTIVE_TIMEOUT_S, Runtime
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
@@ -252,12 +252,16 @@ class RankExecutor:
                                                   lr=lr or alg_spec.lr, betas=alg_spec.betas,
                                                   weight_decay=alg_spec.weight_decay)
             else:
-                if p.kind == "infer" and p.tp > 1:  # a frozen model on a tensor-parallel trainer mesh
-                    devices = tuple(self._mesh(p).devices)
-                    row = devices.index(self.rank) // p.tp * p.tp
-                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh][1],
-                                                          devices[row:row + p.tp], self.rt.device)
                 module.requires_grad_(False)
+                # A frozen model on the trainer's mesh is sharded as the plan charges it: over tp as the
+                # trainer is, and its layers over the data-parallel ranks (`sharding: fsdp`).
+                if p.kind == "infer" and p.tp > 1:
+                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh], tuple(self._mesh(p).devices),
+                                                          p.tp, self.rt.device)
+                elif p.kind == "infer" and p.sharding == "fsdp" and self.rt.group("trainer") is not None:
+                    from torch.distributed.device_mesh import DeviceMesh
+
+                    shard_frozen(module, DeviceMesh.from_group(self.rt.group("trainer"), self.rt.device.type))
             self.roles[p.role] = state
         if resume_state is not None:
             self._resume(resume_state)

@@ -115,7 +115,9 @@ def wrap_trainer(model: nn.Module, sharding: str, group: Any, device: torch.devi
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard,
                         shard_placement_fn=_fsdp_placements(layer, mesh.size()))
-        fully_shard(adapter, mesh=mesh, reshard_after_forward=reshard)
+        # The root (embedding, final norm, head) is gathered for backward right after forward: FSDP2's
+        # default (None) keeps it; zero2 keeps every unit.
+        fully_shard(adapter, mesh=mesh, reshard_after_forward=None if reshard else False)  # type: ignore[arg-type]
         return adapter, "fsdp2"
     from torch.nn.parallel import DistributedDataParallel
 
@@ -265,13 +267,33 @@ def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[i
     return adapter, "fsdp2+tp"
 
 
-def tensor_parallel_infer(model: nn.Module, tp_group: Any, ranks: tuple[int, ...], device: torch.device) -> nn.Module:
-    """A frozen model of the trainer's mesh (reference, reward model) sharded over the trainer's tp
-    row `ranks` (`tp_group`); the adapter gives its replicated per-token outputs."""
+def tensor_parallel_infer(model: nn.Module, groups: tuple[Any, Any], ranks: tuple[int, ...], tp: int,
+                          device: torch.device) -> nn.Module:
+    """A frozen model of a tensor-parallel trainer's mesh (reference, reward model): sharded over each tp
+    row of `ranks` as the trainer is, and its decoder layers over the fsdp dimension (`shard_frozen`);
+    the adapter gives its replicated per-token outputs."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    mesh = DeviceMesh.from_group(tp_group, device.type, mesh=torch.tensor(ranks), mesh_dim_names=("tp",))
-    return parallelize_llama(model, mesh)
+    data_parallel = len(ranks) // tp
+    grid = torch.tensor(ranks).view(data_parallel, tp)
+    mesh = DeviceMesh.from_group(list(groups), device.type, mesh=grid, mesh_dim_names=("fsdp", "tp"))
+    adapter = parallelize_llama(model, mesh["tp"])
+    if data_parallel > 1:
+        shard_frozen(model, mesh["fsdp"])
+    return adapter
+
+
+def shard_frozen(model: nn.Module, mesh: Any) -> None:
+    """Shard a frozen model's decoder layers over the data-parallel `mesh` with FSDP2, each layer gathered
+    for its own forward and freed after it (`reshard_after_forward=True`, also for layers that are FSDP
+    roots). The embedding, final norm and head stay whole on every rank: a frozen role's forward reads
+    them outside any one wrapped module (a reward model's values go through the model's trunk directly),
+    and the plan charges them whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True,
+                    shard_placement_fn=_fsdp_placements(layer, mesh.size()))
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:

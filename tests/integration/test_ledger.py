@@ -56,10 +56,23 @@ def _run(out: Path, ranks: int, kind: str, *extra: str) -> tuple[list[dict], lis
     return ledgers, metrics
 
 
+class Runs:
+    """Each (ranks, kind) run once per module, when a test first asks for it (so no one test pays for all)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[tuple[int, str], tuple[list[dict], list[dict]]] = {}
+
+    def __getitem__(self, key: tuple[int, str]) -> tuple[list[dict], list[dict]]:
+        if key not in self.done:
+            ranks, kind = key
+            self.done[key] = _run(self.root / f"{kind}{ranks}", ranks, kind)
+        return self.done[key]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tuple[list[dict], list[dict]]]:
-    root = tmp_path_factory.mktemp("ledger")
-    return {(ranks, kind): _run(root / f"{kind}{ranks}", ranks, kind) for ranks in (2, 4) for kind in LAYOUTS}
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("ledger"))
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
