@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,13 +59,14 @@ def base_tree(rev: str, scratch: Path) -> tuple[Path, Path]:
 
 def run_once(tree: Path, site: Path | None, kind: str, ranks: int, steps: int, out: Path) -> dict:
     env = {**os.environ, "GRAPHRL_CALIBRATION": "none"}
-    if site is not None:  # the base's modules, ahead of this tree's editable install
-        env["PYTHONPATH"] = str(site)
-    args = [sys.executable, "-m", "graphrl.cli", "run", "examples/grpo_tiny.yaml", "--cluster", f"local-cpu-{ranks}",
+    cwd = tree
+    if site is not None:  # the base's modules, found ahead of this tree's editable install (from the cwd too)
+        env["PYTHONPATH"], cwd = str(site), site
+    args = [sys.executable, "-m", "graphrl.cli", "run", str(tree / "examples" / "grpo_tiny.yaml"), "--cluster", f"local-cpu-{ranks}",
             "--strategy", "colocated", "--steps", str(steps), "--out", str(out), "-q"]
     for s in KINDS[kind]:
         args += ["--set", s]
-    done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{kind} in {tree} failed:\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -80,10 +82,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated layout kinds")
+    parser.add_argument("--keep", action="store_true", help="keep the base worktree for another run")
     args = parser.parse_args()
     scratch = Path(tempfile.gettempdir()) / "graphrl-bench-ledger"
     scratch.mkdir(exist_ok=True)
     base, site = base_tree(args.base, scratch)
+    try:
+        measure(args, scratch, base, site)
+    finally:
+        if not args.keep:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+            shutil.rmtree(site, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, scratch: Path, base: Path, site: Path) -> None:
     kinds = args.kinds.split(",")
     results: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):

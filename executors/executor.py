@@ -256,8 +256,8 @@ class RankExecutor:
                 # A frozen model on the trainer's mesh is sharded as the plan charges it: over tp as the
                 # trainer is, and its layers over the data-parallel ranks (`sharding: fsdp`).
                 if p.kind == "infer" and p.tp > 1:
-                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh], tuple(self._mesh(p).devices),
-                                                          p.tp, self.rt.device)
+                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh],
+                                                          tuple(self._mesh(p).devices), p.tp, self.rt.device)
                 elif p.kind == "infer" and p.sharding == "fsdp" and self.rt.group("trainer") is not None:
                     from torch.distributed.device_mesh import DeviceMesh
 
