@@ -479,7 +479,7 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     role = p.generator
     assert role is not None
     hint = p.hint(role.name)
-    fp8 = hardware_has_fp8(p.hw.peak_fp8_flops)
+    fp8 = hardware_has_fp8(p.hw)
     precisions = [prec for prec in ([hint.precision] if hint.precision else ["bf16", "fp8"])
                   if precision_refusal("generate", prec, hardware_fp8=fp8) is None]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
@@ -705,7 +705,7 @@ def check_pins(p: Problem) -> None:
                     f"device range {hint.devices!r} is outside the cluster's {p.num_devices} devices "
                     f"(0-{p.num_devices - 1})", path=path + ("devices",), fix="pin a range inside the cluster")
         if hint.precision is not None and (refusal := precision_refusal(
-                role.kind, hint.precision, hardware_fp8=hardware_has_fp8(p.hw.peak_fp8_flops))) is not None:
+                role.kind, hint.precision, hardware_fp8=hardware_has_fp8(p.hw))) is not None:
             raise PlacementError(f"{refusal.why} (hardware {p.hw.name})", path=path + ("precision",), fix=refusal.fix)
     for i, group in enumerate(p.hints.colocate):
         for name in group:

@@ -23,7 +23,8 @@ from pydantic import Field
 
 from graphrl.schemas.base import Frozen
 
-if TYPE_CHECKING:  # a type only; the plan module imports nothing from here
+if TYPE_CHECKING:  # types only; the plan module imports this one
+    from graphrl.schemas.hardware import HardwareSpec
     from graphrl.schemas.plan import Plan
 
 Target = Literal["run", "preview"]
@@ -164,9 +165,10 @@ def dtype_refusal(role_kind: str, dtype: str) -> Refusal | None:
                    f"dtype {dtype!r} does not run", "use dtype: bfloat16 or float32 for a trained model")
 
 
-def hardware_has_fp8(peak_fp8_flops: float) -> bool:
-    """Whether hardware with this fp8 peak runs fp8 generation (the one place that decides it)."""
-    return peak_fp8_flops > 0
+def hardware_has_fp8(hw: "HardwareSpec") -> bool:
+    """Whether fp8 generation runs on `hw` (the one place that decides it; today: hardware with an fp8
+    peak, i.e. fp8 tensor cores)."""
+    return hw.peak_fp8_flops > 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ class PlanRefusal:
 def plan_refusals(plan: "Plan") -> list[PlanRefusal]:
     """Every choice of `plan.chosen` that the executors do not run (empty: the plan runs)."""
     out: list[PlanRefusal] = []
-    fp8 = hardware_has_fp8(plan.hardware.peak_fp8_flops)
+    fp8 = hardware_has_fp8(plan.hardware)
     for p in plan.chosen.placements:
         found = [dtype_refusal(p.kind, plan.job.models[p.model].dtype),
                  precision_refusal(p.kind, p.precision, hardware_fp8=fp8)]

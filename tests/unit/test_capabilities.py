@@ -87,7 +87,7 @@ def test_the_search_offers_run_only_what_runs(example: str, cluster: str) -> Non
     # Every sharding that runs is still offered somewhere, so the filter cannot pass by offering nothing.
     assert {cfg.sharding for cfg in halves} == {"none", "zero1", "zero2", "fsdp"}
     result = search(p, exhaustive=True)
-    fp8 = hardware_has_fp8(p.hw.peak_fp8_flops)
+    fp8 = hardware_has_fp8(p.hw)
     for ev in result.ranked:
         if ev.gen is not None:
             assert precision_refusal("generate", ev.gen.precision, hardware_fp8=fp8) is None
