@@ -183,7 +183,8 @@ def build_optimizer(module: nn.Module, sharding: str, wrapping: str, group: Any,
     if sharding == "zero1" and wrapping == "ddp":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, lr=lr,
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group,
+                                       parameters_as_bucket_view=True, lr=lr,
                                        betas=betas, weight_decay=weight_decay)
     return optimizer_class(params, lr=lr, betas=betas, weight_decay=weight_decay)
 
