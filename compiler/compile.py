@@ -7,6 +7,7 @@ from typing import Any, Callable
 from graphrl.errors import GraphRLError
 from graphrl.ir import build_graph
 from graphrl.loader import LoadedJob
+from graphrl.schemas.capabilities import Target
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import JobSpec
 from graphrl.schemas.plan import Plan
@@ -19,9 +20,11 @@ from graphrl.compiler.schedule import ProgramSettings
 from graphrl.compiler.state import Compilation, need
 
 
-def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, **options: Any) -> Plan:
-    """Run the whole pipeline; user errors are located in the job file."""
-    return plan_of(compile_graph(job, cluster, check=check, **options), cluster)
+def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, target: Target = "preview",
+                **options: Any) -> Plan:
+    """Run the whole pipeline; user errors are located in the job file. `target` 'run' keeps the search
+    and the pin checks to what the executors run (`graphrl.schemas.capabilities`)."""
+    return plan_of(compile_graph(job, cluster, check=check, target=target, **options), cluster)
 
 
 def plan_of(state: Compilation, cluster: ClusterSpec) -> Plan:
@@ -47,12 +50,14 @@ def with_steps(job: JobSpec, steps: int | None) -> JobSpec:
 
 
 def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, steps: int | None = None,
-                  progress: Callable[[str], None] | None = None, **options: Any) -> Compilation:
+                  progress: Callable[[str], None] | None = None, target: Target = "preview",
+                  **options: Any) -> Compilation:
     """The pipeline's final state, with every pass's result (placement, programs ...). `steps` sets
-    `schedule.steps`; `progress` hears the name of each pass as it starts."""
+    `schedule.steps`; `target` 'run' keeps the search and the pin checks to what the executors run;
+    `progress` hears the name of each pass as it starts."""
     hardware = resolve_hardware(cluster)
     spec = with_steps(job.spec, steps)
-    ctx = CompileContext(spec, cluster, hardware, dict(options))
+    ctx = CompileContext(spec, cluster, hardware, dict(options), target)
     on_start = (lambda p: progress(p.name)) if progress is not None else None
     try:
         return run_passes(start(spec), ctx, PIPELINE, check=check, on_start=on_start)

@@ -40,6 +40,8 @@ GRAD_BYTES_PER_PARAM = 2
 ADAM_BYTES_PER_PARAM = 12
 # An fp8 block linear keeps one float32 scale per output channel (executors/fp8.py).
 FP8_SCALE_BYTES = 4
+# AdamW's two fp32 moments; a float32 model needs no master copy (4 + 4 + 8 bytes per parameter).
+ADAM_MOMENT_BYTES_PER_PARAM = 8
 # Logits for the loss / log-softmax: the bf16 matmul output plus its fp32 upcast.
 LOGIT_BYTES = BF16_BYTES + FP32_BYTES
 SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "fsdp")
@@ -457,10 +459,18 @@ class MemoryBreakdown:
     optimizer: float = 0.0
     activations: float = 0.0
     kv_cache: float = 0.0
+    gathered: float = 0.0
+    """Of `params` and `grads`: the unsharded copies a sharded role holds only while it computes
+    (FSDP2's all-gathered weights and unreduced gradients); the rest is its resting state."""
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    @property
+    def resting_state(self) -> float:
+        """Weights, gradients and optimizer state held between steps (what a run's ledger measures)."""
+        return self.params + self.grads + self.optimizer - self.gathered
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -469,6 +479,7 @@ class MemoryBreakdown:
             "optimizer": self.optimizer,
             "activations": self.activations,
             "kv_cache": self.kv_cache,
+            "gathered": self.gathered,
             "total": self.total,
         }
 
@@ -481,6 +492,7 @@ class MemoryBreakdown:
             self.optimizer + other.optimizer,
             self.activations + other.activations,
             self.kv_cache + other.kv_cache,
+            self.gathered + other.gathered,
         )
 
     def __radd__(self, other: object) -> "MemoryBreakdown":
@@ -522,20 +534,23 @@ def training_memory(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     flash_attention: bool = True,
+    compute_bytes: int = BF16_BYTES,
 ) -> tuple[MemoryBreakdown, MemoryBreakdown]:
     """Bytes a training role holds per device, and per device in host memory: (device, host).
 
-    State (mixed-precision Adam, ZeRO paper): per parameter 2 bytes bf16 weights, 2 bytes bf16
-    grads, 12 bytes fp32 master + m + v. Per device, parameters are first divided by tp*pp (model
-    parallel, balanced stages), then over the data-parallel group D = dp*fsdp (the sharding choice
-    applies to the whole group):
-      none: nothing sharded; zero1: optimizer / D; zero2: optimizer and grads / D;
-      fsdp (ZeRO-3): weights, grads and optimizer / D.
-    When weights are streamed (fsdp over D > 1, or offload_params) the device also holds unsharded
-    bf16 buffers: the current and the prefetched layer's weights (2 layers, in `params`) and one
-    layer's gradient before it is reduce-scattered or offloaded (in `grads`), each layer_params/tp.
-    offload_optimizer moves the optimizer shard to host; offload_params moves the weight and gradient
-    shards to host (FSDP2 CPUOffloadPolicy), leaving only the buffers above on the device.
+    State is charged as the executors hold it (`graphrl.schemas.capabilities`). `compute_bytes` is the
+    model's dtype: 2 (bfloat16) trains in mixed precision, bf16 weights and gradients with fp32 master
+    weights and AdamW moments (2 + 2 + 12 bytes per parameter, ZeRO paper section 3.1); 4 (float32)
+    holds 4 + 4 + 8. Per device, parameters are first divided by tp*pp (model parallel, balanced
+    stages), then over the data-parallel group D = dp*fsdp as the sharding runs:
+      none (DDP): nothing sharded;
+      zero1 (DDP + ZeroRedundancyOptimizer): the optimizer state (fp32 master and moments) / D;
+      zero2, fsdp (FSDP2): weights, gradients and optimizer state rest as shards (/ D). The unsharded
+        copies are `gathered`: zero2 (`reshard_after_forward=False`) keeps every layer's weights from
+        forward through backward, fsdp the current and the prefetched layer's; both hold one layer's
+        unreduced gradient.
+    offload_optimizer moves the optimizer state to host; offload_params moves the weight and gradient
+    shards to host (FSDP2 CPUOffloadPolicy), leaving only the gathered buffers on the device.
 
     Activations for one micro-batch of `micro_batch_tokens` tokens on one data-parallel rank, with
     L/pp layers per stage, per token per layer:
@@ -551,26 +566,29 @@ def training_memory(
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
     d = dp * fsdp
     params_per_device = param_count(dims) / (tp * pp)
-    weights = params_per_device * WEIGHT_BYTES_PER_PARAM
-    grads = params_per_device * GRAD_BYTES_PER_PARAM
-    optimizer = params_per_device * ADAM_BYTES_PER_PARAM
+    mixed = compute_bytes < FP32_BYTES
+    master = FP32_BYTES if mixed else 0  # an fp32 copy of the weights beside the compute-dtype ones
+    layer_bytes = layer_params(dims) / tp * compute_bytes
+    gathered_weights = gathered_grads = 0.0
+    weights = params_per_device * compute_bytes
+    grads = params_per_device * compute_bytes
+    optimizer = params_per_device * (ADAM_MOMENT_BYTES_PER_PARAM + master)
     if sharding in ("zero1", "zero2", "fsdp"):
         optimizer /= d
-    if sharding in ("zero2", "fsdp"):
-        grads /= d
-    if sharding == "fsdp":
-        weights /= d
+    if sharding in ("zero2", "fsdp") and d > 1:
+        gathered_weights = params_per_device * compute_bytes if sharding == "zero2" else 2 * layer_bytes
+        gathered_grads = layer_bytes
+        weights = weights / d + gathered_weights
+        grads = grads / d + gathered_grads
 
     host_weights = host_grads = host_optimizer = 0.0
     if offload_optimizer:
         host_optimizer, optimizer = optimizer, 0.0
-    if offload_params:
-        host_weights, weights = weights, 0.0
-        host_grads, grads = grads, 0.0
-    if (sharding == "fsdp" and d > 1) or offload_params:
-        layer_bytes = layer_params(dims) / tp * BF16_BYTES
-        weights += 2 * layer_bytes
-        grads += layer_bytes
+    if offload_params:  # only the buffers a layer is computed with stay on the device
+        host_weights, host_grads = weights - gathered_weights, grads - gathered_grads
+        gathered_weights, gathered_grads = 2 * layer_bytes, layer_bytes
+        weights, grads = gathered_weights, gathered_grads
+    gathered = gathered_weights + gathered_grads
 
     layers_per_stage = dims.num_layers / pp
     per_token = activation_bytes_per_token_per_layer(dims, seq_len, tp, flash_attention)
@@ -586,7 +604,8 @@ def training_memory(
     last_stage = per_micro_batch + working + logits
     activations = max(first_stage, last_stage)
 
-    device = MemoryBreakdown(params=weights, grads=grads, optimizer=optimizer, activations=activations)
+    device = MemoryBreakdown(params=weights, grads=grads, optimizer=optimizer, activations=activations,
+                             gathered=gathered)
     host = MemoryBreakdown(params=host_weights, grads=host_grads, optimizer=host_optimizer)
     return device, host
 
@@ -655,10 +674,13 @@ def _data_parallel_comm(
 ) -> tuple[float, float]:
     """Per-step data-parallel collectives of a training role: (overlappable_s, not_overlappable_s).
 
-    Buffers are the bf16 weights/grads of one model-parallel slice, 2*P/(tp*pp) bytes:
+    Buffers are the bf16 weights/grads of one model-parallel slice, 2*P/(tp*pp) bytes, moved as the
+    executors move them (`graphrl.schemas.capabilities`):
       none (DDP): all-reduce grads, bucketed during backward;
-      zero1/zero2: reduce-scatter grads during backward, then all-gather the updated weights after
-        the optimizer step (not overlapped);
+      zero1 (DDP + ZeroRedundancyOptimizer): the same all-reduce, then every rank's updated share of
+        the weights is broadcast to the others after the optimizer step (an all-gather, not overlapped);
+      zero2 (FSDP2, weights kept from forward through backward): all-gather the weights once, layer by
+        layer in forward, and reduce-scatter grads during backward;
       fsdp: all-gather weights for forward and again for backward (resharded after forward), and
         reduce-scatter grads, all prefetched layer by layer.
     """
@@ -666,15 +688,18 @@ def _data_parallel_comm(
         return 0.0, 0.0
     buffer = param_count(dims) / (tp * pp) * BF16_BYTES
     buckets = math.ceil(buffer / DDP_BUCKET_BYTES)
+    all_reduce = chunked_collective_time("all_reduce", buffer, buckets, d, hw, spans_nodes)
     if sharding == "none":
-        return chunked_collective_time("all_reduce", buffer, buckets, d, hw, spans_nodes), 0.0
-    units = fsdp_units(dims, pp) if sharding == "fsdp" else buckets
+        return all_reduce, 0.0
+    if sharding == "zero1":
+        return all_reduce, chunked_collective_time("all_gather", buffer, buckets, d, hw, spans_nodes)
+    units = fsdp_units(dims, pp)
     gather = chunked_collective_time("all_gather", buffer, units, d, hw, spans_nodes)
     scatter = chunked_collective_time("reduce_scatter", buffer, units, d, hw, spans_nodes)
     if sharding == "fsdp":
         return 2 * gather + scatter, 0.0
-    if sharding in ("zero1", "zero2"):
-        return scatter, gather
+    if sharding == "zero2":
+        return gather + scatter, 0.0
     raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
 
 
@@ -729,8 +754,9 @@ def training_step_time(
       1F1B bubble: the ideal time stretches by (m+pp-1)/m, i.e. a bubble fraction (pp-1)/(m+pp-1) of
       the total, with m = `microbatches` (default 4*pp).
     - data parallel (`_data_parallel_comm`): overlapped with compute as `_overlap` assumes, within
-      the backward compute for DDP/ZeRO (2/3 of compute, 3/4 with recompute) and within forward +
-      backward for FSDP; the ZeRO-1/2 weight all-gather after the optimizer step is fully exposed.
+      the backward compute for DDP and ZeRO-1 (2/3 of compute, 3/4 with recompute) and within forward +
+      backward for the FSDP2 shardings (zero2, fsdp); ZeRO-1's weight broadcast after the optimizer
+      step is fully exposed.
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
@@ -750,7 +776,7 @@ def training_step_time(
     pp_comm = _pipeline_p2p(dims, tokens_per_micro_batch, tp, pp, m, 2, hw, pp_spans_nodes)
 
     overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes)
-    if sharding == "fsdp":
+    if sharding in ("fsdp", "zero2"):
         window = compute
     else:
         window = compute * (3 / 4 if recompute else 2 / 3)

@@ -22,6 +22,7 @@ from graphrl.errors import GraphRLError, InternalError
 from graphrl.ir import DataEdge, JobGraph, WeightEdge
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.capabilities import Target
 from graphrl.schemas.job import JobSpec
 
 from graphrl.compiler.state import Compilation
@@ -38,6 +39,8 @@ class CompileContext:
     cluster: ClusterSpec | None = None
     hardware: HardwareSpec | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    target: Target = "preview"
+    """`run`: the plan will be run, so the search and the pin checks keep to what the executors run."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ SIMULATE_RANKING_STEPS = 6
 @compiler_pass("typecheck", ensures=("types",))
 def typecheck_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """Ports, schemas, symbolic shapes, producers and references of the job graph."""
-    return replace(s, graph=typecheck(s.graph, ctx.cluster))
+    return replace(s, graph=typecheck(s.graph, ctx.cluster, ctx.target))
 
 
 @compiler_pass("placement", requires=("types",), ensures=("placement",),
@@ -46,7 +46,7 @@ def typecheck_pass(s: Compilation, ctx: CompileContext) -> Compilation:
 def placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """Meshes and layouts per role; drops what does not fit; ranks by the analytical step time."""
     assert ctx.cluster is not None and ctx.hardware is not None
-    placed = place_job(s.graph, ctx.cluster, ctx.hardware, exhaustive=bool(ctx.options.get("exhaustive")),
+    placed = place_job(s.graph, ctx.cluster, ctx.hardware, ctx.target, exhaustive=bool(ctx.options.get("exhaustive")),
                        refine=not ctx.options.get("analytical_only"))
     return replace(s, placement=placed)
 

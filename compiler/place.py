@@ -8,6 +8,7 @@ import math
 from types import MappingProxyType
 
 from graphrl.ir import JobGraph
+from graphrl.schemas.capabilities import Target
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.program import CostKey
@@ -22,11 +23,12 @@ SIMULATE_RANKING_MAX_DEVICES = 16
 SIMULATE_RANKING_TOP_K = 8
 
 
-def place_job(graph: JobGraph, cluster: ClusterSpec, hardware: HardwareSpec, *, exhaustive: bool = False,
-              refine: bool = True) -> PlacedLayout:
-    """Search layouts; keep the best (and, on a small cluster with `refine`, the runners-up to simulate),
-    the colocated-synchronous baseline and the candidate summaries."""
-    problem = make_problem(graph, cluster, hardware)
+def place_job(graph: JobGraph, cluster: ClusterSpec, hardware: HardwareSpec, target: Target = "preview", *,
+              exhaustive: bool = False, refine: bool = True) -> PlacedLayout:
+    """Search layouts (for `target` 'run', only those the executors run); keep the best (and, on a small
+    cluster with `refine`, the runners-up to simulate), the colocated-synchronous baseline and the
+    candidate summaries."""
+    problem = make_problem(graph, cluster, hardware, target)
     result = search(problem, exhaustive=exhaustive)
     best = result.best
     chosen = to_layout(problem, best)

@@ -28,6 +28,7 @@ from typing import Literal
 
 from graphrl.errors import PlacementError
 from graphrl.ir import JobGraph
+from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
@@ -143,6 +144,9 @@ class Problem:
     hw: HardwareSpec
     hints: PlacementHints
     mode: Literal["sync", "async"]
+    target: Target = "preview"
+    """`run`: only layouts the executors run (`graphrl.schemas.capabilities`); `preview`: also a
+    preview-only choice the user pinned (a pp > 1)."""
 
     @property
     def num_devices(self) -> int:
@@ -207,20 +211,26 @@ def _train_state(p: Problem, role: Role, cfg: TrainCfg) -> tuple[cost.MemoryBrea
     return cost.training_memory(
         role.dims, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp, sharding=cfg.sharding,  # type: ignore[arg-type]
         micro_batch_tokens=_micro_tokens(p, cfg), seq_len=p.workload.seq_len, recompute=cfg.recompute,
+        compute_bytes=role.weight_bytes,
     )
 
 
 def _infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
-    """A frozen model beside the trainer: weights sharded like the trainer's (ZeRO-3 inference)."""
+    """A frozen model beside the trainer: split over tp like the trainer, its decoder layers sharded over
+    the data-parallel ranks (ZeRO-3 inference), the embedding, final norm and head whole."""
     w = p.workload
     local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
     micro = min(local, w.micro_batch) if w.micro_batch else local
     mem = cost.inference_memory(role.dims, tp=cfg.tp, pp=cfg.pp, precision="bf16", batch=micro,
                                 context_len=w.seq_len, generator=False)
+    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
+    mem = replace(mem, params=cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp))
     d = cfg.dp * cfg.fsdp
-    if d > 1:
-        layer = cost.layer_params(role.dims) / cfg.tp * cost.BF16_BYTES
-        mem = replace(mem, params=mem.params / d + 2 * layer)
+    if d > 1:  # the decoder layers are sharded over d and gathered one (and the prefetched one) at a time;
+        # the embedding, final norm and head stay whole (`executors.parallel.shard_frozen`)
+        layer = cost.layer_params(role.dims) / cfg.tp * dtype_bytes
+        layers = role.dims.num_layers / cfg.pp * layer
+        mem = replace(mem, params=mem.params - layers + layers / d + 2 * layer, gathered=2 * layer)
     return mem
 
 
@@ -447,7 +457,8 @@ def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
 
 
 def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
-    """Trainer layouts over devices [first, first+n) that respect the policy's pins."""
+    """Trainer layouts over devices [first, first+n) that respect the policy's pins and that the executors
+    run (the capability table); for a preview, a preview-only choice the user pinned is laid out too."""
     role = p.policy
     hint = p.hint(role.name)
     shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
@@ -455,8 +466,9 @@ def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
     out = []
     for tp, pp, dp, fsdp in train_shapes(role, hint, n, p.per_node):
         for sharding in shardings:
-            if sharding != "none" and dp * fsdp == 1 and len(shardings) > 1:
-                continue  # nothing to shard over; 'none' covers it
+            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
+            if refusal is not None and not (p.target == "preview" and refusal.field == "pp" and hint.pp == pp):
+                continue
             for recompute in (False, True):
                 for offload in offloads:
                     out.append(TrainCfg(first, n, dp, fsdp, tp, pp, sharding, recompute, offload))
@@ -467,10 +479,13 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     role = p.generator
     assert role is not None
     hint = p.hint(role.name)
-    # fp8 is searched where it runs on fp8 matmul units; where it is dequantized at use (CPU) it only
-    # saves memory, so it is run when pinned.
-    native_fp8 = p.hw.peak_fp8_flops > 0 and not cost.fp8_dequantizes(p.hw)
-    precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if native_fp8 else ["bf16"])
+    # fp8 runs where the hardware has it (the capability table); the search offers it on its own where it
+    # runs on fp8 matmul units, and where it is dequantized at use (CPU) it only saves memory, so it is
+    # run when pinned.
+    fp8 = hardware_has_fp8(p.hw)
+    offered = ["bf16", "fp8"] if fp8 and not cost.fp8_dequantizes(p.hw) else ["bf16"]
+    precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
+                  if precision_refusal("generate", prec, hardware_fp8=fp8) is None]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 
@@ -693,12 +708,9 @@ def check_pins(p: Problem) -> None:
                 raise PlacementError(
                     f"device range {hint.devices!r} is outside the cluster's {p.num_devices} devices "
                     f"(0-{p.num_devices - 1})", path=path + ("devices",), fix="pin a range inside the cluster")
-        if hint.precision == "fp8" and p.hw.peak_fp8_flops <= 0:
-            raise PlacementError(f"hardware {p.hw.name} has no fp8 support", path=path + ("precision",),
-                                 fix="use precision: bf16")
-        if hint.precision == "fp8" and role.kind != "generate":
-            raise PlacementError("only generation copies can run in fp8", path=path + ("precision",),
-                                 fix=f"pin precision on '{role.model}/generate'")
+        if hint.precision is not None and (refusal := precision_refusal(
+                role.kind, hint.precision, hardware_fp8=hardware_has_fp8(p.hw))) is not None:
+            raise PlacementError(f"{refusal.why} (hardware {p.hw.name})", path=path + ("precision",), fix=refusal.fix)
     for i, group in enumerate(p.hints.colocate):
         for name in group:
             if name not in names:
@@ -706,11 +718,12 @@ def check_pins(p: Problem) -> None:
                                      fix=f"use roles: {', '.join(names)}")
 
 
-def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec) -> Problem:
+def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec, target: Target = "preview") -> Problem:
     roles = derive_roles(graph)
     if not any(r.kind == "train" for r in roles):
         raise PlacementError("the job trains no model", path=("nodes",), fix="add a train node")
-    p = Problem(tuple(roles), derive_workload(graph), cluster, hw, graph.job.placement, graph.job.schedule.mode)
+    p = Problem(tuple(roles), derive_workload(graph), cluster, hw, graph.job.placement, graph.job.schedule.mode,
+                target)
     check_pins(p)
     return p
 
@@ -721,7 +734,7 @@ def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec) -> Pro
 
 def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
     return MemoryBytes(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
-                       kv_cache=m.kv_cache)
+                       kv_cache=m.kv_cache, gathered=m.gathered)
 
 
 def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey, float]:

@@ -15,6 +15,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from graphrl.schemas.capabilities import plan_refusals
 from graphrl.schemas.plan import Layout, Plan
 
 GB = 1e9
@@ -101,6 +102,10 @@ def render_text(plan: Plan, *, explain: bool = False, width: int = 160) -> str:
     head = (f"job {plan.job.name} on {plan.cluster.name}: {plan.cluster.num_devices} x {plan.hardware.name} "
             f"({plan.cluster.num_nodes} nodes)\nchosen: {plan.chosen.label}  [{plan.chosen.estimate.mode}]")
     parts: list = [Text(head, style="bold")]
+    refusals = plan_refusals(plan)
+    if refusals:
+        parts.append(Text("preview only, `graphrl run` refuses this plan: "
+                          + "; ".join(r.message() for r in refusals), style="bold"))
     parts += _layout_tables(plan.chosen, "chosen")
     parts.append(_phase_table(plan))
     if plan.baseline is not None:

@@ -12,7 +12,9 @@ Checks, each failing with the place in the job file and a fix:
   once the cluster is known (`graphrl compile`, or `validate` of a job that names its cluster), every
   pinned axis and their product fit the devices the role's mesh can have. A pin the hardware cannot
   hold is refused here, naming the field, instead of leaving the search without a candidate or the
-  run to crash.
+  run to crash. So is a pin the executors do not run (`graphrl.schemas.capabilities`): a ZeRO stage
+  with one data-parallel rank, an fp8 trainer, and, for `run` (and `validate`), a pp > 1 or a float16
+  trainer; `compile` still lays those out for the preview.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from graphrl.errors import JobError, PlacementError
 from graphrl.ir import DataEdge, JobGraph
 from graphrl.ops import OPS, op_kind
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
+from graphrl.schemas.capabilities import Refusal, Target, dtype_refusal, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import RoleHint, parse_device_range
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
@@ -315,6 +318,20 @@ def _layout_exists(role: Role, hint: RoleHint, size: int, per_node: int) -> bool
     return bool(shapes(role, hint, size, per_node))
 
 
+def _train_refusals(role: Role, hint: RoleHint, size: int, per_node: int, target: Target) -> list[Refusal] | None:
+    """None when some trainer layout of `size` devices honouring the pins runs (for a preview: also one
+    whose only preview-only choice is the pinned pp); else why each pinned layout does not."""
+    shardings = [hint.sharding] if hint.sharding else ["none", "zero1", "zero2", "fsdp"]
+    refusals = []
+    for tp, pp, dp, fsdp in train_shapes(role, hint, size, per_node):
+        for sharding in shardings:
+            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
+            if refusal is None or (target == "preview" and refusal.field == "pp"):
+                return None
+            refusals.append(refusal)
+    return refusals
+
+
 def _where(sizes: set[int], own_range: str | None, colocated_only: bool) -> str:
     if colocated_only:
         return f"the {max(sizes)} devices of the cluster (a colocated layout uses them all)"
@@ -328,7 +345,7 @@ def _devices(n: int) -> str:
 
 
 def _check_pin_devices(job, key: str, role: Role, hint: RoleHint, policy: Role, generator: Role | None,  # noqa: ANN001
-                       cluster: ClusterSpec) -> None:
+                       cluster: ClusterSpec, target: Target) -> None:
     """The role's pinned range lies in the cluster, and its pinned axes fit a mesh the search can give it."""
     path, n = ("placement", "roles", key), cluster.num_devices
     if hint.devices is not None and parse_device_range(hint.devices)[1] > n:
@@ -361,6 +378,13 @@ def _check_pin_devices(job, key: str, role: Role, hint: RoleHint, policy: Role, 
     if not any(_layout_exists(role, hint, s, cluster.devices_per_node) for s in sizes):
         raise PlacementError(f"no {' x '.join(_AXES[role.kind])} layout of {where} holds these pins", path=path,
                              fix="loosen one of the pinned axes")
+    if role.kind == "train":
+        found = [_train_refusals(role, hint, s, cluster.devices_per_node, target) for s in sorted(sizes)]
+        if all(f is not None for f in found):
+            refusal = next(r for f in found if f for r in f)
+            field = refusal.field if getattr(hint, refusal.field, None) is not None else "sharding"
+            raise PlacementError(f"{refusal.why}; the executors do not run it on {where}", path=path + (field,),
+                                 fix=refusal.fix)
 
 
 def _check_pins_share_a_split(job, policy: Role, generator: Role, cluster: ClusterSpec) -> None:  # noqa: ANN001
@@ -378,12 +402,16 @@ def _check_pins_share_a_split(job, policy: Role, generator: Role, cluster: Clust
                              fix="loosen the pins of one of the two roles")
 
 
-def _check_pins(graph: JobGraph, cluster: ClusterSpec | None) -> tuple[str, ...]:
-    """Refuse pins no layout can hold (against the model, and against the cluster when it is known);
-    warn about pins that the role's layout does not read."""
+def _check_pins(graph: JobGraph, cluster: ClusterSpec | None, target: Target = "preview") -> tuple[str, ...]:
+    """Refuse pins no layout can hold (against the model, and against the cluster when it is known) and
+    pins the executors do not run; warn about pins that the role's layout does not read."""
     job = graph.job
     placement = job.placement
     roles = {r.name: r for r in derive_roles(graph)}
+    if target == "run":
+        for r in roles.values():
+            if (refusal := dtype_refusal(r.kind, job.models[r.model].dtype)) is not None:
+                raise PlacementError(refusal.why, path=("models", r.model, "dtype"), fix=refusal.fix)
     # The search lays out the first trained model's mesh (every train and frozen role shares it) and the
     # first generator; see compiler/placement.py.
     policy = next((r for r in roles.values() if r.kind == "train"), None)
@@ -403,8 +431,12 @@ def _check_pins(graph: JobGraph, cluster: ClusterSpec | None) -> tuple[str, ...]
                                      "after the model, its generation copy '<model>/generate')")
         pinned = {f for f, v in hint.model_dump().items() if v is not None}
         if hint.precision is not None and role.kind != "generate":
-            raise PlacementError("only generation copies have a precision", path=path + ("precision",),
-                                 fix=f"pin precision on '{role.model}/generate'")
+            refusal = precision_refusal(role.kind, hint.precision, hardware_fp8=True)
+            raise PlacementError(f"only generation copies have a precision{f' ({refusal.why})' if refusal else ''}",
+                                 path=path + ("precision",), fix=f"pin precision on '{role.model}/generate'")
+        if target == "run" and role.kind == "train" and hint.pp is not None and \
+                (refusal := train_layout_refusal(dp=1, fsdp=1, tp=1, pp=hint.pp, sharding="none")) is not None:
+            raise PlacementError(refusal.why, path=path + ("pp",), fix=refusal.fix)
         if policy is None or role not in (policy, generator):
             if pinned:
                 owner = policy.name if policy is not None else "the trainer"
@@ -425,15 +457,16 @@ def _check_pins(graph: JobGraph, cluster: ClusterSpec | None) -> tuple[str, ...]
             raise PlacementError(f"pp {hint.pp} is larger than the {role.dims.num_layers} layers of {role.model}",
                                  path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
         if cluster is not None:
-            _check_pin_devices(job, key, role, hint, policy, generator, cluster)
+            _check_pin_devices(job, key, role, hint, policy, generator, cluster, target)
     if cluster is not None and policy is not None and generator is not None:
         _check_pins_share_a_split(job, policy, generator, cluster)
     return tuple(warnings)
 
 
-def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None) -> JobGraph:
+def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Target = "preview") -> JobGraph:
     """Ports, schemas, symbolic shapes, producers and references of the job graph (and the placement pins
-    against `cluster`, when given); the graph with its symbolic sizes and the warnings."""
+    against `cluster`, when given, and against what the executors run for `target` 'run'); the graph with
+    its symbolic sizes and the warnings."""
     _check_acyclic(graph)
     _check_ports(graph)
     for edge in graph.data_edges():
@@ -443,7 +476,7 @@ def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None) -> JobGraph:
     _check_consumed(graph)
     sizes = _unify_shapes(graph)
     _check_references(graph)
-    warnings = _check_algorithm(graph) + _check_pins(graph, cluster)
+    warnings = _check_algorithm(graph) + _check_pins(graph, cluster, target)
     return graph.with_sizes(sizes).with_warnings(*warnings)
 
 

@@ -7,7 +7,9 @@ import argparse
 import os
 import sys
 
-from graphrl.executors.launcher import rank_main
+from graphrl.errors import GraphRLError
+from graphrl.executors.launcher import rank_main, refuse_unrunnable_plan
+from graphrl.plan_io import load_plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: RANK and WORLD_SIZE must be set (run under torchrun)", file=sys.stderr)
         return 2
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    try:
+        refuse_unrunnable_plan(load_plan(args.plan))
+    except GraphRLError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return 2
     rank_main(rank, world, args.plan, args.out, args.start_step, args.threads, args.resume_from, local_rank)
     return 0
 

@@ -46,11 +46,20 @@ def _folder(root: Path, role: str) -> Path:
     return root / "dcp" / role.replace("/", "__")
 
 
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this rank holds: ZeRO-1's `ZeroRedundancyOptimizer` steps an inner one
+    over this rank's share of the parameters, whose state DCP saves under the parameters' names (every
+    rank its own share; a resume on another layout reads each share wherever it was written)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
 def save_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     group: Any) -> None:
     """This rank's part of `role`'s model and optimizer state (a collective over `group`, the ranks
     that hold the role; None when one rank holds it)."""
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+    model_sd, optim_sd = get_state_dict(module, _local_optimizer(optimizer))
     with _one_rank_quietly():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=_folder(root, role), process_group=group,
                  no_dist=group is None)
@@ -64,7 +73,8 @@ def load_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: t
     if not folder.is_dir():
         raise RunError(f"checkpoint {root} has no sharded state for {role} ({folder} is missing)",
                        fix="resume from a checkpoint written by this version of graphrl, or start without --resume")
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+    local = _local_optimizer(optimizer)
+    model_sd, optim_sd = get_state_dict(module, local)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         with _one_rank_quietly():
@@ -72,7 +82,7 @@ def load_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: t
     except Exception as exc:  # DCP wraps each rank's failure; the first line of its reason names the file
         raise RunError(f"checkpoint {root}: cannot load the state of {role} from {folder}: {_reason(exc)}",
                        fix="resume from an earlier checkpoint (move this one aside), or start without --resume") from exc
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(module, local, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def save_inflight(root: Path, rank: int, pieces: dict[int, list[Piece]]) -> None:

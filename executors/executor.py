@@ -62,8 +62,9 @@ from graphrl.executors.models.llama import (Llama, LlamaCritic, generate, sampli
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
                                       finish_checkpoint, versions_ahead_file)
-from graphrl.executors.parallel import (clip_grad_norm, copy_full_weights, full_state_dict, tensor_parallel_infer,
-                                        trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer)
+from graphrl.executors.parallel import (build_optimizer, clip_grad_norm, copy_full_weights, full_state_dict,
+                                        shard_frozen, tensor_parallel_infer, trainer_mesh_groups,
+                                        wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import COLLECTIVE_TIMEOUT_S, Runtime
@@ -237,15 +238,21 @@ class RankExecutor:
                 else:
                     state.wrapped, state.wrapping = wrap_trainer(module, p.sharding, self.rt.group("trainer"),
                                                                  self.rt.device)
-                state.optimizer = torch.optim.AdamW(module.parameters(), lr=lr or alg_spec.lr, betas=alg_spec.betas,
-                                                    weight_decay=alg_spec.weight_decay)
+                # Held as the plan charges it: master weights for a bf16 model, ZeRO-1's share of the state.
+                state.optimizer = build_optimizer(module, p.sharding, state.wrapping, self.rt.group("trainer"),
+                                                  lr=lr or alg_spec.lr, betas=alg_spec.betas,
+                                                  weight_decay=alg_spec.weight_decay)
             else:
-                if p.kind == "infer" and p.tp > 1:  # a frozen model on a tensor-parallel trainer mesh
-                    devices = tuple(self._mesh(p).devices)
-                    row = devices.index(self.rank) // p.tp * p.tp
-                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh][1],
-                                                          devices[row:row + p.tp], self.rt.device)
                 module.requires_grad_(False)
+                # A frozen model on the trainer's mesh is sharded as the plan charges it: over tp as the
+                # trainer is, and its layers over the data-parallel ranks (`sharding: fsdp`).
+                if p.kind == "infer" and p.tp > 1:
+                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh],
+                                                          tuple(self._mesh(p).devices), p.tp, self.rt.device)
+                elif p.kind == "infer" and p.sharding == "fsdp" and self.rt.group("trainer") is not None:
+                    from torch.distributed.device_mesh import DeviceMesh
+
+                    shard_frozen(module, DeviceMesh.from_group(self.rt.group("trainer"), self.rt.device.type))
             self.roles[p.role] = state
         if resume_state is not None:
             self._resume(resume_state)
@@ -364,11 +371,15 @@ class RankExecutor:
     def write_ledger(self) -> None:
         """This rank's device bytes of weights, gradients and optimizer state, beside the plan's accounting.
 
-        The plan counts mixed-precision Adam (2 + 2 + 12 bytes per parameter); a float32 model with AdamW
-        holds 4 + 4 + 8: the kinds differ, the totals agree. Generation copies that share the trainer's
-        module (colocated) count once. An fp8 generator counts its block linears at one byte per weight
-        plus their float32 scales (`fp8_state_bytes`), as its placement charges them."""
-        modules, optimizers, planned, fp8_bytes = [], [], 0.0, 0
+        Measured after the last step, when a trained role holds its resting state: its weights (local
+        shards under FSDP2), its last gradients, and the optimizer state it keeps (this rank's share
+        under ZeRO-1/2/3, float32 master weights and moments for a bf16 model). Compared with the plan's
+        state less `gathered` (the unsharded copies FSDP2 holds only while a role computes, reported
+        beside it as the planned peak). Not counted on either side: activations, the KV cache, the
+        allocator's slack and the Python heap. Generation copies that share the trainer's module
+        (colocated) count once. An fp8 generator counts its block linears at one byte per weight plus
+        their float32 scales (`fp8_state_bytes`), as its placement charges them."""
+        modules, optimizers, planned, gathered, fp8_bytes = [], [], 0.0, 0.0, 0
         seen: set[int] = set()
         for role in self.roles.values():
             if id(role.module) in seen:
@@ -378,15 +389,16 @@ class RankExecutor:
             fp8_bytes += fp8.held_bytes(role.module)[0]
             if role.optimizer is not None:
                 optimizers.append(role.optimizer)
-            m = role.placement.memory_bytes
-            planned += m.params + m.grads + m.optimizer
+            planned += role.placement.memory_bytes.resting_state
+            gathered += role.placement.memory_bytes.gathered
         measured = self.rt.device_bytes(modules, optimizers)
         folder = self.out_dir / "ledger"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{self.rank}.json").write_text(json.dumps({
             "rank": self.rank, "roles": sorted(self.roles), "measured_state_bytes": measured,
-            "planned_state_bytes": planned, "ratio": measured / planned if planned else None,
-            "fp8_state_bytes": fp8_bytes,
+            "planned_state_bytes": planned, "planned_peak_state_bytes": planned + gathered,
+            "ratio": measured / planned if planned else None, "fp8_state_bytes": fp8_bytes,
+            "wrappings": {name: r.wrapping for name, r in sorted(self.roles.items()) if r.placement.kind == "train"},
             "rollout_steps_held": sorted(self.pieces)}))
 
     def fail(self, ins: Instruction, reason: str) -> RunError:

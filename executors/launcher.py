@@ -25,9 +25,22 @@ import torch.multiprocessing as mp
 from graphrl.errors import RunError
 from graphrl.executors.profiling import ProfileSettings, merge_timeline
 from graphrl.plan_io import load_plan, save_plan
+from graphrl.schemas.capabilities import plan_refusals
 from graphrl.schemas.plan import Plan
 
 KILL_GRACE_S = 5.0
+
+
+def refuse_unrunnable_plan(plan: Plan) -> None:
+    """Raise before any rank starts when the plan holds a choice the executors do not run (the capability
+    table, `graphrl.schemas.capabilities`): a plan compiled for the preview (a pinned pp), or one written by
+    another version."""
+    refusals = plan_refusals(plan)
+    if refusals:
+        first = refusals[0]
+        raise RunError(f"{first.message()}; this plan can be previewed and simulated, not run"
+                       + (f" ({len(refusals) - 1} more such choices)" if len(refusals) > 1 else ""),
+                       path=("placement", "roles", first.role, first.refusal.field), fix=first.refusal.fix)
 
 
 def free_port() -> int:
@@ -87,6 +100,7 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
     """Run every rank of `plan` as a local process; raise RunError naming the first rank that failed.
     Ctrl-C (SIGINT) or SIGTERM ends every rank and says how to continue (`resume_hint`, the command)."""
     assert plan.programs is not None
+    refuse_unrunnable_plan(plan)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.msgpack"
     save_plan(plan, plan_path)

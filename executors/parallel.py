@@ -1,22 +1,31 @@
-"""Training parallelism as the plan says: torch's FSDP2 (`fully_shard`) or DDP over the trainer's ranks.
+"""Training parallelism as the plan says: torch's FSDP2 (`fully_shard`), DDP, or DDP with ZeRO-1.
 
 The RL losses need per-token log-probabilities (or values) of the response positions only, computed
 through the model's trunk; DDP and FSDP2 hook a module's `forward`, so the trainable module handed to
 them is a thin adapter whose forward is exactly that computation. Its parameters are the model's.
+Every sharding here is one the capability table (`graphrl.schemas.capabilities`) lists, held as the
+plan's memory accounting charges it:
 
-- `sharding: fsdp` with more than one data-parallel rank: every decoder layer and then the adapter
-  are `fully_shard`ed on a device mesh made from the trainer's process group (parameters become
+- `sharding: fsdp` with more than one data-parallel rank (ZeRO-3): every decoder layer and then the
+  adapter are `fully_shard`ed on a device mesh made from the trainer's process group (parameters become
   DTensors sharded on dim 0, o/down weights by column blocks as `fsdp_shard_dim` says, so a weight
   sync into tensor-parallel shards moves whole blocks; gathered layer by layer in forward and backward).
-- `none`, `zero1`, `zero2`: DDP over the trainer's group (bucketed gradient all-reduce overlapped with
-  backward). The ZeRO variants' optimizer-state sharding is a memory-accounting choice of the plan;
-  this executor keeps the optimizer state replicated.
+- `zero2`: the same `fully_shard`, with `reshard_after_forward=False`: gradients and optimizer state are
+  sharded, the weights are gathered once per step and kept from forward through backward.
+- `zero1`: DDP, and torch's `ZeroRedundancyOptimizer`: each rank keeps the optimizer state of its share
+  of the parameters, steps it, and broadcasts the updated parameters to the others.
+- `none`: DDP over the trainer's group (bucketed gradient all-reduce overlapped with backward).
 - one data-parallel rank: the adapter as it is.
 - `tp > 1` (`wrap_tensor_parallel_trainer`): a 2-D `DeviceMesh` (fsdp, tp) over the trainer's ranks as
   the plan lays them out (tp fastest); `parallelize_module` shards the weights over tp as the plan's
   `llama_param_layout` says (q/k/v/gate/up colwise, o/down rowwise, embedding and head by vocabulary
-  rows), then `fully_shard` on the fsdp dimension, layer by layer, as above. Log-probabilities come
-  back replicated over tp, so every tp rank computes the same loss; gradients are reduced over fsdp.
+  rows), then `fully_shard` on the fsdp dimension, layer by layer, as above (zero2 or fsdp). Log-
+  probabilities come back replicated over tp, so every tp rank computes the same loss; gradients are
+  reduced over fsdp.
+
+Mixed precision (`build_optimizer`): a bfloat16 model trains with bf16 weights and gradients (the ones
+every forward, weight sync and checkpoint reads) and `MasterWeightAdamW` keeps float32 master weights
+and AdamW moments of the parameters (or shards) this rank updates; a float32 model uses torch's AdamW.
 """
 
 from __future__ import annotations
@@ -106,23 +115,92 @@ class CriticForward(nn.Module):
 
 
 def wrap_trainer(model: nn.Module, sharding: str, group: Any, device: torch.device) -> tuple[nn.Module, str]:
-    """The trainable module for `model` and the name of the wrapping used ('fsdp2', 'ddp' or 'local')."""
+    """The trainable module for `model` and the name of the wrapping used ('fsdp2', 'ddp' or 'local');
+    zero1's optimizer-state sharding is `build_optimizer`'s."""
     adapter: nn.Module = CriticForward(model) if isinstance(model, LlamaCritic) else PolicyForward(model)
     if group is None:
         return adapter, "local"
-    if sharding == "fsdp":
+    if sharding in ("fsdp", "zero2"):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(group, device.type)
+        reshard = sharding == "fsdp"
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, shard_placement_fn=_fsdp_placements(layer, mesh.size()))
-        fully_shard(adapter, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard,
+                        shard_placement_fn=_fsdp_placements(layer, mesh.size()))
+        # The root (embedding, final norm, head) is gathered for backward right after forward: FSDP2's
+        # default (None) keeps it; zero2 keeps every unit.
+        fully_shard(adapter, mesh=mesh, reshard_after_forward=None if reshard else False)  # type: ignore[arg-type]
         return adapter, "fsdp2"
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(adapter, process_group=group, device_ids=device_ids), "ddp"
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW that updates float32 master copies of lower-precision (bf16) parameters.
+
+    The parameters and their gradients stay in the model's dtype; this optimizer's state holds, per
+    parameter it steps, a float32 `master` copy and the two float32 moments (4 + 4 + 4 bytes per
+    parameter beside the 2 + 2 of the model). A step reads each gradient in float32, runs torch's AdamW
+    on the masters and rounds them back into the parameters. Parameters that are DTensors (FSDP2 shards)
+    get DTensor masters of the same placement, so the state is sharded as the parameters are."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        from torch.optim.adamw import adamw
+
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            params, masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["master"] = p.detach().to(torch.float32, copy=True)
+                    state["exp_avg"] = torch.zeros_like(state["master"])
+                    state["exp_avg_sq"] = torch.zeros_like(state["master"])
+                params.append(p)
+                masters.append(state["master"])
+                grads.append(p.grad.to(torch.float32))
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=beta1, beta2=beta2,
+                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            del grads  # the float32 gradients live for the step only
+            for p, master in zip(params, masters):
+                p.copy_(master)
+        return loss
+
+
+def build_optimizer(module: nn.Module, sharding: str, wrapping: str, group: Any, *, lr: float,
+                    betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer of a trained role, holding its state as the plan charges it: AdamW on a float32
+    model, `MasterWeightAdamW` (float32 master weights and moments) on a bf16 one; with `zero1` over a
+    DDP group, torch's `ZeroRedundancyOptimizer` around it, so each rank keeps the state of its share of
+    the parameters. Under FSDP2 the parameters are shards already, and so is the state."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    optimizer_class: type[torch.optim.Optimizer] = MasterWeightAdamW if mixed else torch.optim.AdamW
+    if sharding == "zero1" and wrapping == "ddp":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group,
+                                       parameters_as_bucket_view=True, lr=lr,
+                                       betas=betas, weight_decay=weight_decay)
+    return optimizer_class(params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
 def _fsdp_placements(layer: nn.Module, fsdp: int) -> Any:
@@ -178,9 +256,9 @@ def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[i
     """The trainable module of a tp > 1 trainer (fsdp x tp; see the module docstring) and its wrapping name.
 
     Data-parallel ranks always go through `fully_shard` on the fsdp dimension (DDP does not take 2-D
-    DTensors): ZeRO-3 for `sharding: fsdp`; for none / zero1 / zero2 the gathered weights stay through
-    backward (`reshard_after_forward=False`), so only the resting weights are sharded. The gradients,
-    averaged over the data-parallel ranks, are the same in every case."""
+    DTensors): ZeRO-3 for `sharding: fsdp`; for zero2 the gathered weights stay through backward
+    (`reshard_after_forward=False`). The capability table does not offer none or zero1 here (their
+    replicated state is not what `fully_shard` holds)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -197,13 +275,33 @@ def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[i
     return adapter, "fsdp2+tp"
 
 
-def tensor_parallel_infer(model: nn.Module, tp_group: Any, ranks: tuple[int, ...], device: torch.device) -> nn.Module:
-    """A frozen model of the trainer's mesh (reference, reward model) sharded over the trainer's tp
-    row `ranks` (`tp_group`); the adapter gives its replicated per-token outputs."""
+def tensor_parallel_infer(model: nn.Module, groups: tuple[Any, Any], ranks: tuple[int, ...], tp: int,
+                          device: torch.device) -> nn.Module:
+    """A frozen model of a tensor-parallel trainer's mesh (reference, reward model): sharded over each tp
+    row of `ranks` as the trainer is, and its decoder layers over the fsdp dimension (`shard_frozen`);
+    the adapter gives its replicated per-token outputs."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    mesh = DeviceMesh.from_group(tp_group, device.type, mesh=torch.tensor(ranks), mesh_dim_names=("tp",))
-    return parallelize_llama(model, mesh)
+    data_parallel = len(ranks) // tp
+    grid = torch.tensor(ranks).view(data_parallel, tp)
+    mesh = DeviceMesh.from_group(list(groups), device.type, mesh=grid, mesh_dim_names=("fsdp", "tp"))
+    adapter = parallelize_llama(model, mesh["tp"])
+    if data_parallel > 1:
+        shard_frozen(model, mesh["fsdp"])
+    return adapter
+
+
+def shard_frozen(model: nn.Module, mesh: Any) -> None:
+    """Shard a frozen model's decoder layers over the data-parallel `mesh` with FSDP2, each layer gathered
+    for its own forward and freed after it (`reshard_after_forward=True`, also for layers that are FSDP
+    roots). The embedding, final norm and head stay whole on every rank: a frozen role's forward reads
+    them outside any one wrapped module (a reward model's values go through the model's trunk directly),
+    and the plan charges them whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True,
+                    shard_placement_fn=_fsdp_placements(layer, mesh.size()))
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:

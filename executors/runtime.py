@@ -92,7 +92,7 @@ class Runtime:
                 if p.grad is not None:
                     p.grad = move(p.grad)
         if "optimizer" in state and role.optimizer is not None:
-            for st in role.optimizer.state.values():
+            for st in getattr(role.optimizer, "optim", role.optimizer).state.values():  # ZeRO-1: this rank's share
                 for k, v in st.items():
                     if isinstance(v, Tensor) and v.dim() > 0:
                         st[k] = move(v)
@@ -115,6 +115,8 @@ class Runtime:
             for b in m.buffers():
                 total += local_bytes(b)
         for opt in optimizers:
+            # ZeRO-1's ZeroRedundancyOptimizer keeps this rank's share of the state in its inner optimizer.
+            opt = getattr(opt, "optim", opt)
             for st in opt.state.values():
                 for v in st.values():
                     if isinstance(v, Tensor) and v.dim() > 0:

@@ -99,12 +99,13 @@ def load_with_sets(path: str, sets: tuple[str, ...] = ()) -> LoadedJob:
     return apply_overrides(load_any(path), [parse_override(text) for text in sets])
 
 
-def checked_graph(job: LoadedJob, cluster: ClusterSpec | None = None) -> JobGraph:
-    """Build and typecheck the graph (pins against `cluster` when given); errors are located in the job file."""
+def checked_graph(job: LoadedJob, cluster: ClusterSpec | None = None, target: str = "preview") -> JobGraph:
+    """Build and typecheck the graph (pins against `cluster` when given, and against what the executors
+    run when `target` is 'run'); errors are located in the job file."""
     from graphrl.compiler.typecheck import typecheck
 
     try:
-        return typecheck(build_graph(job.spec), cluster)
+        return typecheck(build_graph(job.spec), cluster, target)  # type: ignore[arg-type]
     except GraphRLError as exc:
         if exc.path and exc.location is None:
             exc.location = job.source.locate(exc.path)
@@ -125,13 +126,16 @@ def main(debug: bool) -> None:
 
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--target", type=click.Choice(["run", "preview"]), default="run", show_default=True,
+              help="run: the pins must be ones the executors run; preview: `graphrl compile` may also lay out "
+                   "preview-only pins (pp > 1).")
 @set_option
-def validate(job: str, sets: tuple[str, ...]) -> None:
+def validate(job: str, target: str, sets: tuple[str, ...]) -> None:
     """Check JOB (a YAML file, or a Python file with build_job()) and print a one-line summary."""
     loaded = load_with_sets(job, sets)
     # The job's default cluster must resolve too, and its pins must fit that cluster's devices.
     cluster = job_cluster(loaded, None) if loaded.spec.cluster is not None else None
-    graph = checked_graph(loaded, cluster)
+    graph = checked_graph(loaded, cluster, target)
     warn(graph)
     n_nodes = sum(1 for _ in graph.nodes())
     click.echo(
@@ -378,19 +382,20 @@ def _override(loaded: LoadedJob, *, steps: int | None = None, seed: int | None =
 
 
 def refuse_unrunnable(plan, loaded: LoadedJob) -> None:  # noqa: ANN001
-    """Stop before starting ranks when the plan holds a layout the executors cannot run: pipeline
-    parallelism, which the search never chooses but a pin can ask for (compile and simulate still show it)."""
+    """Stop before starting ranks when the plan holds a choice the executors do not run
+    (`graphrl.schemas.capabilities`), naming the pin that asked for it where there is one."""
     from graphrl.errors import RunError
+    from graphrl.schemas.capabilities import plan_refusals
 
-    staged = {p.role: p.pp for p in plan.chosen.placements if p.pp > 1}
-    if not staged:
+    refusals = plan_refusals(plan)
+    if not refusals:
         return
-    pins = [key for key, hint in loaded.spec.placement.roles.items() if key in staged and hint.pp == staged[key]]
-    assert pins, f"the search chose pipeline parallelism for {sorted(staged)} without a pin"
-    path = ("placement", "roles", pins[0], "pp")
-    raise RunError(f"pp {staged[pins[0]]}: pipeline-parallel execution is not supported yet; this plan can be "
-                   "compiled and simulated, not run", path=path, location=loaded.source.locate(path),
-                   fix=f"drop the pin (--set {format_path(path)}=) to let the search choose a layout that runs")
+    first = refusals[0]
+    hint = loaded.spec.placement.roles.get(first.role)
+    pinned = hint is not None and getattr(hint, first.refusal.field, None) is not None
+    path = ("placement", "roles", first.role, first.refusal.field) if pinned else ("placement", "roles", first.role)
+    raise RunError(f"{first.refusal.why}; this plan can be compiled and simulated, not run", path=path,
+                   location=loaded.source.locate(path), fix=first.refusal.fix)
 
 
 @main.command()
@@ -421,7 +426,7 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
     loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
     out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
     check_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # before minutes of compiling
-    plan = compile_loaded(loaded, cluster)
+    plan = compile_loaded(loaded, cluster, target="run")
     refuse_unrunnable(plan, loaded)
     prepare_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # nothing written before here
     total = plan.programs.steps if plan.programs else 0
@@ -507,7 +512,7 @@ def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: 
     from graphrl.executors.scripts import write_launch
 
     loaded = _override(load_with_sets(job, sets), steps=steps)
-    plan = compile_loaded(loaded, cluster)
+    plan = compile_loaded(loaded, cluster, target="run")
     refuse_unrunnable(plan, loaded)
     plan_path, script = write_launch(plan, emit, output, port=port)
     click.echo(f"wrote {plan_path} and {script}")

@@ -1,9 +1,9 @@
 """The job graph IR: op nodes, typed data edges, derived weight edges, over networkx.
 
-`JobGraph` is immutable. Node and edge payloads are frozen; a pass gets a graph and returns a new one
-(`with_attr`, `with_edges`), so tests can compare graphs and no pass can corrupt its input. The
-compiler's analyses (costs, placement, programs) ride along as named attributes; the set of attribute
-names is what pass contracts (`requires`/`ensures`) speak about.
+`JobGraph` is immutable. Node and edge payloads are frozen; deriving a graph returns a new one
+(`with_sizes`, `with_edges`), so tests can compare graphs and nothing can corrupt a graph it was given.
+Typecheck attaches the symbolic sizes it unified; the compiler's other results (placement, programs ...)
+are fields of its own typed state (`compiler/state.py`), not of the graph.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PlainSerializer, PlainValidator
 
 from graphrl.schemas.base import Frozen
+from graphrl.schemas.capabilities import plan_refusals
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import JobSpec, NodeSpec, Precision, Sharding
@@ -44,13 +45,22 @@ class MemoryBytes(Frozen):
 
     params: float = Field(default=0.0, description="Weights.")
     grads: float = Field(default=0.0, description="Gradients.")
-    optimizer: float = Field(default=0.0, description="fp32 master weights and Adam moments.")
+    optimizer: float = Field(default=0.0, description="Optimizer state: AdamW moments, and the fp32 master "
+                                                      "weights of a mixed-precision model trained without FSDP2.")
     activations: float = Field(default=0.0, description="Activations kept for backward (or forward working set).")
     kv_cache: float = Field(default=0.0, description="Key/value cache of generation.")
+    gathered: float = Field(default=0.0, description="Of params and grads: the unsharded copies a sharded role "
+                                                     "holds only while it computes (FSDP2's gathered weights and "
+                                                     "unreduced gradients); the rest is held between steps.")
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    @property
+    def resting_state(self) -> float:
+        """Weights, gradients and optimizer state held between steps: what a run's ledger measures."""
+        return self.params + self.grads + self.optimizer - self.gathered
 
     def as_dict(self) -> dict[str, float]:
         return {**self.model_dump(), "total": self.total}
@@ -220,6 +230,7 @@ class Plan(Frozen):
             "phases": self.chosen.estimate.phases,
             "mode": self.chosen.estimate.mode,
             "estimate_method": self.chosen.estimate.method,
+            "preview_only": [r.message() for r in plan_refusals(self)],
             "baseline": None if self.baseline is None else {
                 "label": self.baseline.label,
                 "step_time_s": self.baseline.estimate.step_time_s,

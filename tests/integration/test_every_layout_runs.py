@@ -47,7 +47,7 @@ def trainer_wrapping(ev: Evaluated) -> str:
         return "fsdp2 x tp" if data_parallel > 1 else "tp"
     if data_parallel == 1:
         return "single"
-    return "fsdp2" if t.sharding == "fsdp" else "ddp"
+    return "fsdp2" if t.sharding in ("fsdp", "zero2") else "ddp"  # zero2 is fully_shard without resharding
 
 
 def kind(ev: Evaluated) -> tuple[str, str, bool]:

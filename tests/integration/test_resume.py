@@ -42,6 +42,8 @@ CASES = {
     "fsdp2_x_tp2": ("grpo_tiny.yaml", ["cluster=local-cpu-4", "placement.strategy=colocated",
                                        "placement.roles.policy.tp=2", "placement.roles.policy.fsdp=2",
                                        "placement.roles.policy.sharding=fsdp"], 0.0),
+    # ZeRO-1: each rank saves and reloads only its share of the optimizer state
+    "zero1": ("grpo_tiny.yaml", ["placement.strategy=colocated", "placement.roles.policy.sharding=zero1"], 0.0),
     # critic and policy trained by DDP over ranks 1-3, reference and reward model frozen
     "ppo_ddp3": ("ppo_tiny.yaml", ["cluster=local-cpu-4", "placement.strategy=disaggregated"], 1e-6),
 }
@@ -52,6 +54,10 @@ RELAYOUT = {
     "fsdp4_to_fsdp2_x_tp2": ("grpo_tiny.yaml", FSDP4, FSDP4[:2] + ["placement.roles.policy.fsdp=2",
                                                                    "placement.roles.policy.tp=2",
                                                                    "placement.roles.policy.sharding=fsdp"], 1e-5),
+    # ZeRO-1 on 2 ranks resumed on 4: the optimizer state's shares are split again by the new owners
+    "zero1_2_to_4_ranks": ("grpo_tiny.yaml", ["placement.strategy=colocated", "placement.roles.policy.sharding=zero1"],
+                           ["cluster=local-cpu-4", "placement.strategy=colocated", "placement.roles.policy.tp=1",
+                            "placement.roles.policy.sharding=zero1"], 1e-5),
     # async: the trainer rank's rollouts generated ahead go to a 2-rank trainer beside a tp=2 generator
     "async_2_to_4_ranks": ("aipo_async_tiny.yaml", [], ["cluster=local-cpu-4", "placement.roles.policy.devices=2-3",
                                                         "placement.roles.policy/generate.devices=0-1"], 1e-5),

@@ -258,10 +258,26 @@ def test_training_memory_zero1() -> None:
 
 
 def test_training_memory_zero2() -> None:
-    # 2e9 + (2e9 + 12e9)/8 = 3.75e9
+    """zero2 runs as FSDP2 with reshard_after_forward=False: weights, gradients and optimizer state rest
+    as shards (16e9/8 = 2e9), and the whole unsharded bf16 model (2e9) is gathered from forward through
+    backward, beside one layer's unreduced gradient (32,004,000 bytes). The plan used to charge a full
+    replicated copy and no resting shard, which is not what any rank holds."""
     dev, _ = _mem("zero2")
-    assert (dev.params, dev.grads, dev.optimizer) == (2e9, 0.25e9, 1.5e9)
-    assert dev.total == 3.75e9
+    assert (dev.params, dev.grads, dev.optimizer) == (0.25e9 + 2e9, 0.25e9 + 32_004_000, 1.5e9)
+    assert dev.gathered == 2e9 + 32_004_000
+    assert dev.resting_state == 2e9
+
+
+def test_training_memory_of_a_float32_model() -> None:
+    """A float32 model trains without master weights: 4 + 4 + 8 bytes per parameter (AdamW's moments),
+    where a bf16 model holds 2 + 2 + 12; the plan used to charge every model as mixed precision."""
+    dev, _ = _mem("none", compute_bytes=4)
+    assert (dev.params, dev.grads, dev.optimizer) == (4e9, 4e9, 8e9)
+    dev, _ = _mem("zero1", compute_bytes=4)
+    assert (dev.params, dev.grads, dev.optimizer) == (4e9, 4e9, 1e9)
+    dev, _ = _mem("fsdp", compute_bytes=4)
+    assert (dev.params, dev.grads, dev.optimizer) == (0.5e9 + 4 * 32_004_000, 0.5e9 + 2 * 32_004_000, 1e9)
+    assert dev.resting_state == 2e9
 
 
 def test_training_memory_fsdp() -> None:
@@ -272,6 +288,7 @@ def test_training_memory_fsdp() -> None:
     assert dev.grads == 0.25e9 + 32_004_000
     assert dev.optimizer == 1.5e9
     assert dev.total == 2e9 + 3 * 32_004_000
+    assert dev.gathered == 3 * 32_004_000 and dev.resting_state == 2e9
     # the data-parallel group is dp*fsdp: dp=2 x fsdp=4 shards like dp=8
     assert _mem("fsdp", dp=2, fsdp=4)[0] == dev
     # one device: nothing to gather, no buffers
@@ -294,7 +311,7 @@ def test_offload_optimizer_moves_bytes_to_host() -> None:
 def test_offload_params_moves_shards_to_host_and_keeps_buffers() -> None:
     dev, host = _mem("fsdp", offload_params=True, offload_optimizer=True)
     assert host == MemoryBreakdown(params=0.25e9, grads=0.25e9, optimizer=1.5e9)
-    assert dev == MemoryBreakdown(params=2 * 32_004_000, grads=32_004_000)
+    assert dev == MemoryBreakdown(params=2 * 32_004_000, grads=32_004_000, gathered=3 * 32_004_000)
     # without sharding the whole replica streams from the host
     dev, host = _mem("none", offload_params=True)
     assert host == MemoryBreakdown(params=2e9, grads=2e9)
@@ -375,7 +392,7 @@ def test_memory_breakdown_arithmetic() -> None:
     assert (a + b).params == 11 and (a + b).total == 25
     assert sum([a, b]) == a + b
     assert a.as_dict() == {
-        "params": 1, "grads": 2, "optimizer": 3, "activations": 4, "kv_cache": 5, "total": 15,
+        "params": 1, "grads": 2, "optimizer": 3, "activations": 4, "kv_cache": 5, "gathered": 0.0, "total": 15,
     }
 
 

@@ -62,7 +62,7 @@ def test_run_and_launch_refuse_a_pinned_pp_up_front(command: str, tmp_path: Path
     result = CliRunner().invoke(main, [command, str(EXAMPLES / "grpo_tiny.yaml"), "--steps", "1", *args,
                                        "--set", "placement.roles.policy.pp=2"])
     assert result.exit_code == 2, result.output
-    assert "placement.roles.policy.pp: pp 2: pipeline-parallel execution is not supported yet" in result.stderr
+    assert "placement.roles.policy.pp: pp 2: pipeline-parallel execution is not implemented" in result.stderr
     assert "Traceback" not in result.output and not out.exists()  # nothing started, nothing written
 
 
