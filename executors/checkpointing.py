@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import Tensor
+
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from graphrl.errors import RunError

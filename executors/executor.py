@@ -11,7 +11,6 @@ arrive in pieces (from one or several generator replicas) and are joined when a 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import time
@@ -21,13 +20,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from graphrl.errors import RunError
 from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
-from graphrl.schemas.mesh import Mesh
-from graphrl.schemas.plan import Plan, RolePlacement
+from graphrl.schemas.plan import Plan
 from graphrl.schemas.program import (
     Advantage,
     Checkpoint,
@@ -55,24 +53,20 @@ from graphrl.tasks import REWARDS, resolve_callable
 from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8
-from graphrl.executors import loss as loss_fns
-from graphrl.executors.guards import check_rewards, check_update, check_weights, reward_tensor
-from graphrl.executors.models.llama import (Llama, LlamaCritic, generate, sampling_temperature,
+from graphrl.executors.guards import check_rewards, check_weights, reward_tensor
+from graphrl.executors.models.llama import (Llama, generate, sampling_temperature,
                                             token_logprobs_and_entropy, token_values)
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
                                       finish_checkpoint, versions_ahead_file)
-from graphrl.executors.parallel import (build_optimizer, clip_grad_norm, copy_full_weights, full_state_dict,
-                                        shard_frozen, tensor_parallel_infer, trainer_mesh_groups,
-                                        wrap_tensor_parallel_trainer, wrap_trainer)
+from graphrl.executors.parallel import copy_full_weights, full_state_dict
+from graphrl.executors import training
+from graphrl.executors.roles import RoleState, build_roles, role_group
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
-from graphrl.executors.runtime import COLLECTIVE_TIMEOUT_S, Runtime
-from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
+from graphrl.executors.runtime import Runtime
+from graphrl.executors.tensor_parallel import TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def step_lag(programs: Programs, rank: int) -> int:
     """How many steps behind the newest step it has seen an instruction of `rank`'s stream can be: 0
@@ -98,19 +92,6 @@ def response_uniforms(seed: int, step: int, start: int, stop: int, length: int) 
                        dtype=torch.float64)
             for i in range(start, stop)]
     return torch.stack(rows) if rows else torch.empty(0, length, dtype=torch.float64)
-
-
-@dataclass
-class RoleState:
-    """One role on this rank: its module, its trainable wrapper and optimizer, its weight version."""
-
-    placement: RolePlacement
-    module: nn.Module
-    wrapped: nn.Module | None = None
-    wrapping: str = "local"
-    optimizer: torch.optim.Optimizer | None = None
-    version: int = 0
-    offloaded: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -159,7 +140,6 @@ class RankExecutor:
         self.stats: dict[int, StepStats] = {}
         self.step_started: dict[int, float] = {}
         self.last_train_end = time.perf_counter()
-        self.roles: dict[str, RoleState] = {}
         self.restored_steps: frozenset[int] = frozenset()
         # Weight versions a longer run's generator reads after this run's last step (an asynchronous
         # schedule generates step k+1 with weights older than the last ones): kept as they are trained,
@@ -167,7 +147,9 @@ class RankExecutor:
         self.versions_for_continuation = self._versions_a_continuation_reads()
         self.kept_versions: dict[int, dict[str, Tensor]] = {}
         self.saved_versions: dict[tuple[str, int], Path] = {}
-        self._build_roles(resume_state)
+        self.roles, self.mesh_groups = build_roles(plan, runtime)
+        if resume_state is not None:
+            self._resume(resume_state)
         self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
         self.dispatch: dict[type, Callable[[Any], None]] = {
             kind: handler.__get__(self) for kind, handler in HANDLERS.items()}
@@ -184,79 +166,6 @@ class RankExecutor:
     def is_reporter(self) -> bool:
         return self.rank == self.trainer_ranks[0]
 
-    def _mesh(self, p: RolePlacement) -> Mesh:
-        return self.plan.chosen.mesh(p.mesh)
-
-    def _mesh_has_me(self, p: RolePlacement) -> bool:
-        return self.rank in self._mesh(p).devices
-
-    def _build_roles(self, resume_state: dict[str, Any] | None) -> None:
-        colocated = self.plan.chosen.strategy == "colocated"
-        # The (fsdp, tp) groups of every tensor-parallel trainer mesh: creating a group is collective
-        # over the whole job, so every rank makes them all, in plan order, before building its roles.
-        self.mesh_groups: dict[str, tuple[Any, Any]] = {}
-        for p in self.plan.chosen.placements:
-            if p.kind != "generate" and p.tp > 1 and p.pp == 1 and p.mesh not in self.mesh_groups:
-                groups = trainer_mesh_groups(tuple(self._mesh(p).devices), p.tp, self.rank, COLLECTIVE_TIMEOUT_S)
-                self.mesh_groups[p.mesh] = groups  # type: ignore[assignment]  # None off this mesh
-        for p in self.plan.chosen.placements:
-            if not self._mesh_has_me(p):
-                continue
-            if p.pp > 1:
-                raise RunError(f"role {p.role} ({p.kind}): pipeline parallelism (pp={p.pp}) is not supported by this "
-                               "executor", fix="pin pp: 1 for this role")
-            spec = self.job.models[p.model]
-            dims = spec.resolved_dims()
-            dtype = _DTYPES[spec.dtype]
-            if p.kind == "generate" and p.tp == 1 and colocated and p.model in self.roles and \
-                    self.roles[p.model].wrapping in ("local", "ddp") and p.precision != "fp8":
-                # Colocated: generation reads the trainer's own (replicated) weights; nothing to copy.
-                # An fp8 generator holds its own quantized copy, filled by the in-place reshard.
-                self.roles[p.role] = RoleState(p, self.roles[p.model].module)
-                continue
-            torch.manual_seed(self.seed * 7919 + sum(map(ord, spec.init_from or p.model)))
-            binding = self.bindings.roles[p.role]
-            is_critic = binding.head == "value"
-            module = (LlamaCritic(dims) if is_critic else Llama(dims)).to(device=self.rt.device, dtype=dtype)
-            if spec.checkpoint is not None:
-                from graphrl.models.checkpoints import load_state
-
-                _, state = load_state(spec.checkpoint)
-                module.load_state_dict(state, strict=not is_critic)
-            if p.kind == "generate" and p.tp > 1:
-                module = TensorParallelLlama.from_full(module, self._tensor_parallel_group(p))
-            if p.kind == "generate" and p.precision == "fp8":
-                module = fp8.quantize_generator(module)
-            state = RoleState(p, module)
-            if p.kind == "train":
-                lr = binding.lr
-                alg_spec = self.job.algorithm
-                if p.tp > 1:
-                    state.wrapped, state.wrapping = wrap_tensor_parallel_trainer(
-                        module, p.sharding, tuple(self._mesh(p).devices), p.tp, self.mesh_groups[p.mesh],
-                        self.rt.device)
-                else:
-                    state.wrapped, state.wrapping = wrap_trainer(module, p.sharding, self.rt.group("trainer"),
-                                                                 self.rt.device)
-                # Held as the plan charges it: master weights for a bf16 model, ZeRO-1's share of the state.
-                state.optimizer = build_optimizer(module, p.sharding, state.wrapping, self.rt.group("trainer"),
-                                                  lr=lr or alg_spec.lr, betas=alg_spec.betas,
-                                                  weight_decay=alg_spec.weight_decay)
-            else:
-                module.requires_grad_(False)
-                # A frozen model on the trainer's mesh is sharded as the plan charges it: over tp as the
-                # trainer is, and its layers over the data-parallel ranks (`sharding: fsdp`).
-                if p.kind == "infer" and p.tp > 1:
-                    state.wrapped = tensor_parallel_infer(module, self.mesh_groups[p.mesh],
-                                                          tuple(self._mesh(p).devices), p.tp, self.rt.device)
-                elif p.kind == "infer" and p.sharding == "fsdp" and self.rt.group("trainer") is not None:
-                    from torch.distributed.device_mesh import DeviceMesh
-
-                    shard_frozen(module, DeviceMesh.from_group(self.rt.group("trainer"), self.rt.device.type))
-            self.roles[p.role] = state
-        if resume_state is not None:
-            self._resume(resume_state)
-
     def _resume(self, saved: dict[str, Any]) -> None:
         """Trained roles' shards and optimizer state, weight versions, and the rollouts this rank had
         received for later steps (an asynchronous schedule's pipeline), from the checkpoint."""
@@ -265,7 +174,7 @@ class RankExecutor:
             role = self.roles.get(name)
             if role is not None and role.placement.kind == "train":
                 assert role.optimizer is not None
-                load_role_state(root, name, role.module, role.optimizer, self._role_group(role))
+                load_role_state(root, name, role.module, role.optimizer, role_group(role, self.rt))
                 role.version = int(info["version"])
         for model, versions in saved.get("versions_ahead", {}).items():
             for version in versions:
@@ -273,16 +182,6 @@ class RankExecutor:
         same_layout = saved.get("layout") == checkpoint_layout(self.plan)
         self.pieces.update(load_inflight(root, self.rank if same_layout else None, self.rt.device))
         self.restored_steps = frozenset(saved["inflight_steps"])
-
-    def _tensor_parallel_group(self, p: RolePlacement) -> TensorParallelGroup:
-        """This rank's place in the group its Generate instructions name (one generator replica)."""
-        name = next((ins.group for ins in self.programs.rank_stream(self.rank)
-                     if isinstance(ins, Generate) and ins.role == p.role), None)
-        ranks = self.programs.groups.get(name) if name is not None else None
-        if ranks is None or len(ranks) != p.tp or self.rank not in ranks:
-            raise RunError(f"rank {self.rank}: role {p.role} has tp={p.tp}, but its Generate instructions name "
-                           f"group {name!r} with ranks {ranks}", fix="recompile the plan")
-        return TensorParallelGroup(list(ranks).index(self.rank), p.tp, self.rt.group(name))
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -495,17 +394,8 @@ class RankExecutor:
         self.values[(ins.step, ins.node, "values")] = torch.cat(parts) * r["response_mask"]
 
     def _micro_batches(self, role: RoleState, num_rows: int) -> list[slice]:
-        """This rank's rows cut into micro-batches of at most `algorithm.micro_batch_size`. A trained role's
-        forward runs collectives over its data-parallel group (FSDP gathers, DDP buffers, tp), so the
-        group agrees on the count: the largest any rank needs. Frozen roles either run no collectives or
-        are tensor-parallel over ranks that hold the same rows, which agree already."""
-        num_micro = loss_fns.num_micro_batches(num_rows, self.job.algorithm.micro_batch_size)
         group = self._data_parallel_group(role) if role.placement.kind == "train" else None
-        if group is not None and self.job.algorithm.micro_batch_size > 0:
-            count = torch.tensor([num_micro], dtype=torch.int64, device=self.rt.comm_device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-            num_micro = int(count.item())
-        return loss_fns.micro_batch_slices(num_rows, num_micro)
+        return training.micro_batches(num_rows, self.job.algorithm.micro_batch_size, group, self.rt)
 
     def reward(self, ins: Reward) -> None:
         r = self.read(ins, "rollouts")
@@ -565,20 +455,12 @@ class RankExecutor:
         policy = self.roles.get(self.policy_role)
         group = self._data_parallel_group(policy) if policy is not None and policy.placement.kind == "train" else None
         inputs = alg.AdvantageInputs(rewards, r["response_mask"], values, self.group_size, spec, kl=kl,
-                                     kl_coef=a.kl_coef, batch_sum=lambda x: self._batch_sum(x, group))
+                                     kl_coef=a.kl_coef, batch_sum=lambda x: training.batch_sum(x, group, self.rt))
         adv, returns = alg.ADVANTAGE_FNS[spec.estimator](inputs)
         out = {"advantages": adv.float(), "returns": returns.float()}
         if kl is not None:  # reported by the policy's train step as its `kl` metric
             out["kl"] = torch.where(r["response_mask"], kl.float(), 0.0)
         self.values[(ins.step, ins.node, "advantages")] = out
-
-    def _batch_sum(self, x: Tensor, group: Any) -> Tensor:
-        """`x` summed over the data-parallel ranks of `group` (each holds a part of the batch)."""
-        if group is None:
-            return x
-        total = x.detach().to(device=self.rt.comm_device, dtype=torch.float64).clone()
-        dist.all_reduce(total, group=group)
-        return total.to(x.device)
 
     def train_step(self, ins: TrainStep) -> None:
         role = self.roles[ins.role]
@@ -586,48 +468,14 @@ class RankExecutor:
             raise self.fail(ins, f"expected to update version {ins.version - 1} but holds {role.version}")
         if role.offloaded:
             raise self.fail(ins, f"{ins.role}'s {', '.join(sorted(role.offloaded))} are offloaded; an Onload is missing")
-        spec = self.nodes[ins.node].spec
-        a = self.job.algorithm
+        loss = self.nodes[ins.node].spec.loss
+        critic = LOSSES[loss].trains == "critic"
         r = self.read(ins, "rollouts")
-        adv = self.read(ins, "advantages")
-        mask = r["response_mask"]
-        assert role.wrapped is not None and role.optimizer is not None
-        module = role.wrapped
-        critic = LOSSES[spec.loss].trains == "critic"
-        old = self.read(ins, "values") if critic else self.read(ins, "old_logprobs")
-        ref = None if critic else self.read(ins, "ref_logprobs")
-        weights, dp_size = self._loss_weights(role, mask)
-        slices = self._micro_batches(role, mask.shape[0])
-        temperature = self.gen_node.spec.temperature
-        metrics: dict[str, float] = {}
-        for _ in range(a.updates_per_step):
-            role.optimizer.zero_grad(set_to_none=True)
-            metrics = {}
-            for k, rows in enumerate(slices):
-                b = {key: r[key][rows] for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
-                part = None if old is None else old[rows]
-                with _gradient_sync(module, enabled=k == len(slices) - 1):
-                    if critic:
-                        values = module(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
-                        loss, part_metrics = loss_fns.critic_objective(values, part, adv["returns"][rows],
-                                                                       b["response_mask"], weights.rows(rows), a)
-                    else:
-                        with sampling_temperature(role.module, temperature):
-                            logprobs, entropy = module(b["prompt_ids"], b["prompt_mask"], b["response_ids"],
-                                                       b["response_mask"])
-                        batch = loss_fns.PolicyBatch(
-                            logprobs, entropy, part, r["behaviour_logprobs"][rows], None if ref is None else ref[rows],
-                            adv["advantages"][rows], b["response_mask"], weights.rows(rows),
-                            adv["kl"][rows] if "kl" in adv else None)
-                        loss, part_metrics = loss_fns.policy_objective(batch, spec.loss, a)
-                    # DDP / FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share.
-                    (loss * dp_size).backward()
-                for key, value in part_metrics.items():
-                    metrics[key] = metrics.get(key, 0.0) + value * dp_size
-            grad_norm = clip_grad_norm(list(role.module.parameters()), a.max_grad_norm)
-            check_update(float(loss.detach()), float(grad_norm), node=ins.node, step=ins.step)
-            role.optimizer.step()
-            metrics["grad_norm"] = float(grad_norm)
+        metrics = training.update(
+            role, loss, self.job.algorithm, r, self.read(ins, "advantages"),
+            self.read(ins, "values") if critic else self.read(ins, "old_logprobs"),
+            None if critic else self.read(ins, "ref_logprobs"), temperature=self.gen_node.spec.temperature,
+            group=self._data_parallel_group(role), rt=self.rt, node=ins.node, step=ins.step)
         role.version = ins.version
         if ins.role == self.policy_role:
             self._report(ins, r, metrics)
@@ -638,27 +486,7 @@ class RankExecutor:
                 del self.pieces[step]
 
     def _data_parallel_group(self, role: RoleState) -> Any:
-        """The group over which `role`'s gradients are averaged (its tp ranks share their data)."""
-        if role.placement.tp > 1:
-            return self.mesh_groups[role.placement.mesh][0]
-        return self.rt.group("trainer")
-
-    def _loss_weights(self, role: RoleState, mask: Tensor) -> tuple[alg.TokenWeights, int]:
-        """The aggregation's token weights of this rank's responses, from the counts of the whole batch, and
-        the size of the data-parallel group.
-
-        A loss aggregated with them is this rank's share of the batch's loss; the data-parallel wrappers
-        average gradients over the n ranks, so each rank backpropagates n times its share, and the
-        averaged gradient (and the reported mean loss) is the batch's, as on one rank."""
-        group = self._data_parallel_group(role)
-        counts = alg.batch_counts(mask)
-        if group is None:
-            return alg.token_weights(mask, self.job.algorithm.loss_agg, counts), 1
-        packed = torch.cat([counts, torch.ones(1, dtype=torch.float64)]).to(self.rt.comm_device)
-        dist.all_reduce(packed, group=group)
-        packed = packed.cpu()
-        weights = alg.token_weights(mask.cpu(), self.job.algorithm.loss_agg, packed[:2])
-        return alg.TokenWeights(weights.loss.to(mask.device), weights.stats.to(mask.device)), int(packed[2])
+        return training.data_parallel_group(role, self.mesh_groups, self.rt)
 
     def _report(self, ins: TrainStep, r: dict[str, Tensor], metrics: dict[str, float]) -> None:
         """All-reduce the step's figures over the trainer group and let its first rank write them."""
@@ -767,7 +595,7 @@ class RankExecutor:
         self._barrier(group)
         for name, r in roles.items():
             assert r.optimizer is not None
-            save_role_state(partial, name, r.module, r.optimizer, self._role_group(r))
+            save_role_state(partial, name, r.module, r.optimizer, role_group(r, self.rt))
         inflight = {step: held for step, held in self.pieces.items() if step > ins.step}
         save_inflight(partial, self.rank, inflight)
         self._barrier(group)
@@ -795,12 +623,6 @@ class RankExecutor:
         if group is not None:
             dist.barrier(group=group)
 
-    def _role_group(self, role: RoleState) -> Any:
-        """The process group over every rank that holds `role` (its mesh), or None on one rank."""
-        if role.placement.tp > 1 or role.wrapping in ("ddp", "fsdp2"):
-            return self.rt.group("trainer")
-        return None
-
     def _export_trained(self, folder: Path, roles: dict[str, RoleState], weights: dict[str, dict[str, Tensor]]) -> None:
         """Trained policies started from a real checkpoint also become `<role>_hf/`, a folder transformers loads."""
         from graphrl.models import export_trained
@@ -810,32 +632,6 @@ class RankExecutor:
             if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
                 export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
                                spec.checkpoint)
-
-
-def _gradient_sync(module: nn.Module, *, enabled: bool) -> Any:
-    """A context in which `module`'s backward does (or, for all but a step's last micro-batch, does not)
-    reduce gradients over the data-parallel ranks: DDP's `no_sync`, FSDP2's
-    `set_requires_gradient_sync`; nothing for a module without a wrapper."""
-    if enabled:
-        return contextlib.nullcontext()
-    if hasattr(module, "no_sync"):
-        return module.no_sync()
-    if hasattr(module, "set_requires_gradient_sync"):
-        return _FsdpNoSync(module)
-    return contextlib.nullcontext()
-
-
-class _FsdpNoSync:
-    """FSDP2's gradient reduction switched off for the block (gradients accumulate unsharded)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
-
-    def __exit__(self, *exc: object) -> None:
-        self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 # One handler per instruction kind: the executor's part of each kind's meaning (`schemas.program.TRAITS`

@@ -9,7 +9,7 @@ each kind is pinned through `--set`, exactly as a user would, and run for a few 
 Why equal results can be asked for: prompts are drawn for the whole batch and every response is sampled
 from uniforms seeded by (seed, step, response index) alone (`executor.response_uniforms`), so a layout
 changes neither the prompts nor the draws; losses are token means over the whole batch on every layout
-(`RankExecutor._loss_weights`). What remains is the order of float32 sums (data-parallel gradient
+(`executors/training.py:loss_weights`). What remains is the order of float32 sums (data-parallel gradient
 averaging, tp's partial products and all-reduces), which moves losses by about 1e-7 relative per step
 here (measured: below 1e-6 over three steps); LOSS_REL = 1e-5 leaves a margin while a wrong shard, a
 gradient averaged over the wrong group or a missing all-reduce changes the losses in the second digit.
