@@ -18,18 +18,29 @@ interrupted save never leaves a checkpoint that looks complete.
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import Tensor
 
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from graphrl.errors import RunError
+from graphrl.schemas.job import JobSpec
+
+from graphrl.executors.guards import check_weights
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.outputs import checkpoint_folders, finish_checkpoint, versions_ahead_file
+from graphrl.executors.parallel import full_state_dict
+from graphrl.executors.roles import RoleState, role_group
 from graphrl.executors.rollouts import Piece
+from graphrl.executors.runtime import Runtime
 
 
 
@@ -128,4 +139,66 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-__all__ = ["load_inflight", "load_role_state", "save_inflight", "save_role_state"]
+
+
+def write_checkpoint(out_dir: Path, step: int, roles: dict[str, RoleState], rt: Runtime, group: Any, job: JobSpec, *,
+                     reporter: bool, inflight: dict[int, list[Piece]], layout: dict[str, Any],
+                     versions_ahead: dict[str, dict[int, dict[str, Tensor]]]) -> None:
+    """The checkpoint after `step`, written by every rank of `group` (a collective): each writes its
+    shards of the trained `roles` and the rollouts it holds for later steps (`inflight`); the `reporter`
+    adds the full weights, a trained policy's Hugging Face folder, the weight versions a longer run's
+    generator reads (`versions_ahead`: model -> version -> weights), the manifest, and moves the folder
+    into place. Weights holding NaN are refused before anything is written."""
+    partial, final = checkpoint_folders(out_dir, step)
+    # Sharded weights are gathered tensor by tensor by every rank of the shard group (a collective);
+    # only the reporting rank keeps them, in host memory, and saves them once.
+    weights = {name: full_state_dict(r.module, keep=reporter, to_host=True) for name, r in roles.items()}
+    if reporter:
+        check_weights(weights, step)  # before anything is written: a NaN checkpoint never exists
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(group)
+    for name, r in roles.items():
+        assert r.optimizer is not None
+        save_role_state(partial, name, r.module, r.optimizer, role_group(r, rt))
+    save_inflight(partial, rt.rank, inflight)
+    _barrier(group)
+    if reporter:
+        _export_trained(partial, roles, weights, job)  # inside the manifest, before `latest` names it
+        ahead = _write_versions_ahead(partial, versions_ahead)
+        finish_checkpoint(partial, final, step, roles, weights, job.run.seed, sorted(inflight), layout,
+                          extra={"versions_ahead": ahead})
+    _barrier(group)
+
+
+def _barrier(group: Any) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def _write_versions_ahead(folder: Path, versions: dict[str, dict[int, dict[str, Tensor]]]) -> dict[str, list[int]]:
+    """The older weight versions a longer run's generator reads, beside the last checkpoint (other
+    checkpoints hold the rollouts generated ahead instead); model -> the versions written."""
+    from safetensors.torch import save_file
+
+    for model, by_version in versions.items():
+        for version, tensors in sorted(by_version.items()):
+            target = folder / versions_ahead_file(model, version)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(target))
+    return {model: sorted(by_version) for model, by_version in versions.items()}
+
+
+def _export_trained(folder: Path, roles: dict[str, RoleState], weights: dict[str, dict[str, Tensor]],
+                    job: JobSpec) -> None:
+    """Trained policies started from a real checkpoint also become `<role>_hf/`, a folder transformers loads."""
+    from graphrl.models import export_trained
+
+    for name, role in roles.items():
+        spec = job.models[role.placement.model]
+        if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
+            export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
+                           spec.checkpoint)
+
+
+__all__ = ["load_inflight", "load_role_state", "save_inflight", "save_role_state", "write_checkpoint"]

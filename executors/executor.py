@@ -12,7 +12,6 @@ arrive in pieces (from one or several generator replicas) and are joined when a 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,15 +51,12 @@ from graphrl.tasks import REWARDS, resolve_callable
 
 from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
-from graphrl.executors import fp8
-from graphrl.executors.guards import check_rewards, check_weights, reward_tensor
-from graphrl.executors.models.llama import (Llama, generate, sampling_temperature,
-                                            token_logprobs_and_entropy, token_values)
-from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
-from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
-                                      finish_checkpoint, versions_ahead_file)
+from graphrl.executors import fp8, training
+from graphrl.executors.guards import check_rewards, reward_tensor
+from graphrl.executors.models.llama import generate, sampling_temperature, token_logprobs_and_entropy, token_values
+from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
+from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
 from graphrl.executors.parallel import copy_full_weights, full_state_dict
-from graphrl.executors import training
 from graphrl.executors.roles import RoleState, build_roles, role_group
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
@@ -580,58 +576,15 @@ class RankExecutor:
         """The colocated generator shares the trainer's module: nothing to free on this executor."""
 
     def checkpoint(self, ins: Checkpoint) -> None:
-        """Every trainer rank writes its shards of the trained roles and the rollouts it already holds
-        for later steps; then the reporting rank adds the full weights and moves the folder into place."""
+        """Every trainer rank writes its shards of the trained roles and the rollouts it already holds for
+        later steps; the reporting rank adds the full weights and moves the folder into place."""
         roles = {name: r for name, r in self.roles.items() if r.placement.kind == "train"}
-        group = self.rt.group(ins.group)
-        partial, final = checkpoint_folders(self.out_dir, ins.step)
-        # Sharded weights are gathered tensor by tensor by every rank of the shard group (a collective);
-        # only the reporting rank keeps them, in host memory, and saves them once.
-        weights = {name: full_state_dict(r.module, keep=self.is_reporter, to_host=True) for name, r in roles.items()}
-        if self.is_reporter:
-            check_weights(weights, ins.step)  # before anything is written: a NaN checkpoint never exists
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        self._barrier(group)
-        for name, r in roles.items():
-            assert r.optimizer is not None
-            save_role_state(partial, name, r.module, r.optimizer, role_group(r, self.rt))
-        inflight = {step: held for step, held in self.pieces.items() if step > ins.step}
-        save_inflight(partial, self.rank, inflight)
-        self._barrier(group)
-        if self.is_reporter:
-            self._export_trained(partial, roles, weights)  # inside the manifest, before `latest` names it
-            ahead = self._write_versions_ahead(partial, ins.step)
-            finish_checkpoint(partial, final, ins.step, roles, weights, self.seed, sorted(inflight),
-                              checkpoint_layout(self.plan), extra={"versions_ahead": ahead})
-        self._barrier(group)
-
-    def _write_versions_ahead(self, folder: Path, step: int) -> dict[str, list[int]]:
-        """The last checkpoint holds the older weight versions a longer run's generator reads
-        (`_versions_a_continuation_reads`); other checkpoints hold the rollouts generated ahead instead."""
-        if step != self.programs.steps - 1 or not self.kept_versions:
-            return {}
-        from safetensors.torch import save_file
-
-        for version, tensors in sorted(self.kept_versions.items()):
-            target = folder / versions_ahead_file(self.policy_role, version)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(target))
-        return {self.policy_role: sorted(self.kept_versions)}
-
-    def _barrier(self, group: Any) -> None:
-        if group is not None:
-            dist.barrier(group=group)
-
-    def _export_trained(self, folder: Path, roles: dict[str, RoleState], weights: dict[str, dict[str, Tensor]]) -> None:
-        """Trained policies started from a real checkpoint also become `<role>_hf/`, a folder transformers loads."""
-        from graphrl.models import export_trained
-
-        for name, role in roles.items():
-            spec = self.job.models[role.placement.model]
-            if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
-                export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
-                               spec.checkpoint)
+        last = ins.step == self.programs.steps - 1
+        write_checkpoint(self.out_dir, ins.step, roles, self.rt, self.rt.group(ins.group), self.job,
+                         reporter=self.is_reporter,
+                         inflight={step: held for step, held in self.pieces.items() if step > ins.step},
+                         layout=checkpoint_layout(self.plan),
+                         versions_ahead={self.policy_role: self.kept_versions} if last and self.kept_versions else {})
 
 
 # One handler per instruction kind: the executor's part of each kind's meaning (`schemas.program.TRAITS`
