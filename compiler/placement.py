@@ -17,291 +17,31 @@ that do not fit memory are dropped with the reason; the rest are ranked by predi
 ranked separately per device split and only the best few of each are combined (a beam), which keeps the
 405B-on-1024-GPUs search to about a second; `exhaustive=True` combines every pair. Ties break on the
 candidate's label, so the same job and cluster always give the same plan.
+
+This module holds the search and the time of each candidate's halves; the candidates themselves and
+their enumeration are `candidates.py`, their memory `memory.py`, and the chosen one becomes the plan's
+`Layout` in `to_layout.py`.
 """
+
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass
 
 from graphrl.errors import PlacementError
-from graphrl.ir import JobGraph
-from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
-from graphrl.schemas.cluster import ClusterSpec
-from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
+from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.plan import (
-    CandidateSummary,
-    DeviceMemory,
-    Layout,
-    MemoryBytes,
-    Operation,
-    RolePlacement,
-    StepEstimate,
-)
 from graphrl.schemas.program import CostKey
+from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 
 from graphrl.compiler import cost
-from graphrl.ops import rollout_bytes_per_response
-from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
-from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload, effective_mode
-from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
-
-GB = 1e9
-# Bytes of one response in flight between meshes: prompt and response ids (int64), masks (bool),
-# behaviour log-probs (fp32) and, per response, a reward and an advantage per token (fp32).
-SHARDINGS: tuple[str, ...] = ("fsdp", "zero2", "zero1", "none")
-Strategy = Literal["colocated", "disaggregated"]
-
-
-# ------------------------------------------------------------------------------------------------
-# Candidate halves
-
-
-@dataclass(frozen=True)
-class TrainCfg:
-    """A candidate trainer: its mesh's shape and the training choices made on it. Every train role (and
-    every frozen role beside it) uses that mesh."""
-
-    first: int
-    n: int
-    dp: int
-    fsdp: int
-    tp: int
-    pp: int
-    sharding: str
-    recompute: bool
-    offload: bool  # offload idle roles' optimizer state / frozen weights to host
-
-    @property
-    def label(self) -> str:
-        axes = "x".join(f"{k}{v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp), ("pp", self.pp)) if v > 1) or "single"
-        return f"train[{axes} {self.sharding}{' rc' if self.recompute else ''}{' off' if self.offload else ''}]"
-
-    def mesh(self, name: str) -> Mesh:
-        return Mesh.contiguous([("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp), ("pp", self.pp)], self.first,
-                               name=name)
-
-
-@dataclass(frozen=True)
-class GenCfg:
-    """A candidate generator: replicas of `tp` shards over `n` devices from `first`, at a precision."""
-
-    first: int
-    n: int
-    tp: int
-    precision: str
-
-    @property
-    def dp(self) -> int:
-        return self.n // self.tp
-
-    @property
-    def label(self) -> str:
-        return f"gen[tp{self.tp}x dp{self.dp} {self.precision}]"
-
-    def mesh(self, name: str) -> Mesh:
-        return Mesh.contiguous([("dp", self.dp), ("tp", self.tp)], self.first, name=name)
-
-
-@dataclass
-class Evaluated:
-    """A full candidate with its verdict; `fits` False carries the reason and the overflow."""
-
-    strategy: Strategy
-    train: TrainCfg
-    gen: GenCfg | None
-    fits: bool
-    step_time_s: float = math.inf
-    phases: dict[str, float] = field(default_factory=dict)
-    reason: str | None = None
-    overflow: float = 0.0  # needed / available on the worst device (> 1 when it does not fit)
-    worst_role: str | None = None
-    needed_bytes: float = 0.0
-    available_bytes: float = 0.0
-
-    @property
-    def label(self) -> str:
-        return f"{self.strategy} {self.train.label}" + (f" {self.gen.label}" if self.gen else "")
-
-    def key(self) -> tuple[float, str]:
-        return (self.step_time_s, self.label)
-
-
-# ------------------------------------------------------------------------------------------------
-# The search context: everything fixed for one job and cluster
-
-
-@dataclass(frozen=True)
-class Problem:
-    roles: tuple[Role, ...]
-    workload: Workload
-    cluster: ClusterSpec
-    hw: HardwareSpec
-    hints: PlacementHints
-    mode: Literal["sync", "async"]
-    target: Target = "preview"
-    """`run`: only layouts the executors run (`graphrl.schemas.capabilities`); `preview`: also a
-    preview-only choice the user pinned (a pp > 1)."""
-
-    @property
-    def num_devices(self) -> int:
-        return self.cluster.num_devices
-
-    @property
-    def per_node(self) -> int:
-        return self.cluster.devices_per_node
-
-    @property
-    def usable(self) -> float:
-        return self.hw.usable_memory_bytes
-
-    def roles_of(self, *kinds: str) -> list[Role]:
-        return [r for r in self.roles if r.kind in kinds]
-
-    @property
-    def generator(self) -> Role | None:
-        gens = self.roles_of("generate")
-        return gens[0] if gens else None
-
-    @property
-    def policy(self) -> Role:
-        return self.roles_of("train")[0]
-
-    def hint(self, role: str) -> RoleHint:
-        return self.hints.roles.get(role, RoleHint())
-
-    @property
-    def shape(self) -> JobShape:
-        """What the passes after placement may read of the problem."""
-        return JobShape(self.roles, self.workload, self.num_devices, self.per_node, self.hw)
-
-    def spans(self, first: int, n: int) -> bool:
-        return cost.group_spans_nodes(range(first, first + n), self.per_node)
-
-    def tp_group_spans(self, tp: int) -> bool:
-        return tp > self.per_node
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_ok(role: Role, tp: int) -> bool:
-    return tp_split_problem(role.dims, tp, role.kind) is None
-
-
-# ------------------------------------------------------------------------------------------------
-# Memory of one mesh at its peak phase
-
-
-def _micro_tokens(p: Problem, cfg: TrainCfg) -> int:
-    w = p.workload
-    local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
-    per_micro = min(local, w.micro_batch) if w.micro_batch else local
-    return per_micro * w.seq_len
-
-
-def _train_state(p: Problem, role: Role, cfg: TrainCfg) -> tuple[cost.MemoryBreakdown, cost.MemoryBreakdown]:
-    """(device, host) bytes of a train role while it trains (optimizer offloaded between steps if cfg.offload)."""
-    return cost.training_memory(
-        role.dims, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp, sharding=cfg.sharding,  # type: ignore[arg-type]
-        micro_batch_tokens=_micro_tokens(p, cfg), seq_len=p.workload.seq_len, recompute=cfg.recompute,
-        compute_bytes=role.weight_bytes,
-    )
-
-
-def _infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
-    """A frozen model beside the trainer: split over tp like the trainer, its decoder layers sharded over
-    the data-parallel ranks (ZeRO-3 inference), the embedding, final norm and head whole."""
-    w = p.workload
-    local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
-    micro = min(local, w.micro_batch) if w.micro_batch else local
-    mem = cost.inference_memory(role.dims, tp=cfg.tp, pp=cfg.pp, precision="bf16", batch=micro,
-                                context_len=w.seq_len, generator=False)
-    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
-    mem = replace(mem, params=cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp))
-    d = cfg.dp * cfg.fsdp
-    if d > 1:  # the decoder layers are sharded over d and gathered one (and the prefetched one) at a time;
-        # the embedding, final norm and head stay whole (`executors.parallel.shard_frozen`)
-        layer = cost.layer_params(role.dims) / cfg.tp * dtype_bytes
-        layers = role.dims.num_layers / cfg.pp * layer
-        mem = replace(mem, params=mem.params - layers + layers / d + 2 * layer, gathered=2 * layer)
-    return mem
-
-
-@dataclass(frozen=True)
-class MeshMemory:
-    """Per-role device bytes at the mesh's peak, the peak itself, and host bytes."""
-
-    peak: float
-    roles: dict[str, cost.MemoryBreakdown]
-    host: dict[str, cost.MemoryBreakdown]
-    offloaded: dict[str, tuple[str, ...]]
-
-
-def _idle(mem: cost.MemoryBreakdown, offloaded: tuple[str, ...]) -> float:
-    """Bytes an idle role keeps on the device: its state minus what is offloaded, no activations."""
-    keep = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer}
-    return sum(v for k, v in keep.items() if k not in offloaded)
-
-
-def resident_while_generating(mem: MeshMemory) -> float:
-    """Bytes per device the trainer mesh keeps while a colocated generator runs on it: every role's
-    idle state, minus what the candidate offloads. The search, the plan's layout and its predicted
-    Generate duration all leave the generator the rest."""
-    return sum(_idle(m, mem.offloaded[name]) for name, m in mem.roles.items())
-
-
-def trainer_mesh_memory(p: Problem, cfg: TrainCfg, extra_resident: float = 0.0) -> MeshMemory:
-    """Peak bytes per device of the trainer mesh: the train roles and the frozen roles beside them.
-
-    Phases run one at a time: the frozen models' forwards, then each train role's update. In a phase the
-    active role holds its full state plus activations; idle roles hold their state minus what the
-    candidate offloads (optimizer and gradients of idle train roles, weights of idle frozen roles).
-    `extra_resident` is memory held by another role in every phase (the colocated generator, say).
-    """
-    roles: dict[str, cost.MemoryBreakdown] = {}
-    host: dict[str, cost.MemoryBreakdown] = {}
-    offloaded: dict[str, tuple[str, ...]] = {}
-    for role in p.roles_of("train"):
-        dev, h = _train_state(p, role, cfg)
-        roles[role.name], host[role.name] = dev, h
-        offloaded[role.name] = ("grads", "optimizer") if cfg.offload else ()
-    for role in p.roles_of("infer"):
-        roles[role.name] = _infer_state(p, role, cfg)
-        host[role.name] = cost.MemoryBreakdown()
-        offloaded[role.name] = ("params",) if cfg.offload else ()
-    # Train roles that also run forwards (a critic's values, the old policy's log-probs) keep their
-    # weights in every phase anyway (only their gradients and optimizer state are offloaded).
-    phases = [[r.name for r in p.roles_of("infer")]] + [[r.name] for r in p.roles_of("train")]
-    peak = 0.0
-    for active in phases:
-        total = extra_resident
-        for name, mem in roles.items():
-            total += mem.total if name in active else _idle(mem, offloaded[name])
-        peak = max(peak, total)
-    return MeshMemory(peak, roles, host, offloaded)
-
-
-def _gen_per_sequence(p: Problem, role: Role, tp: int) -> float:
-    """Device bytes one in-flight sequence adds to a generator: its KV cache and decode activations."""
-    one = cost.inference_memory(role.dims, tp=tp, pp=1, precision="bf16", batch=1,
-                                context_len=p.workload.seq_len, generator=True)
-    return one.kv_cache + one.activations
-
-
-def _gen_weights(role: Role, tp: int, precision: str) -> float:
-    """A generator's weight bytes per device: the model's own dtype (a float32 CPU model stores 4 bytes per
-    weight); with fp8, the block linears at 1 byte plus their scales and the rest still at the dtype."""
-    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)
-    if precision == "fp8":
-        return cost.weight_bytes(role.dims, cost.PRECISION_BYTES["fp8"], dtype_bytes) / tp
-    return cost.weight_bytes(role.dims, dtype_bytes) / tp
+from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, Strategy, TrainCfg, gen_cfgs, splits,
+                                         train_cfgs)
+from graphrl.compiler.memory import (MeshMemory, gen_per_sequence, gen_weights, infer_state, resident_while_generating,
+                                     train_state, trainer_mesh_memory)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,8 +55,8 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
     role = p.generator
     assert role is not None
     w = p.workload
-    per_seq = _gen_per_sequence(p, role, gen.tp)
-    room = free_bytes - _gen_weights(role, gen.tp, gen.precision)
+    per_seq = gen_per_sequence(p, role, gen.tp)
+    room = free_bytes - gen_weights(role, gen.tp, gen.precision)
     concurrent = int(room // per_seq) if per_seq > 0 else 0
     if concurrent < 1:
         return None
@@ -371,10 +111,10 @@ def offload_bytes(p: Problem, cfg: TrainCfg) -> float:
         return 0.0
     moved = 0.0
     for role in p.roles_of("train"):
-        dev, _ = _train_state(p, role, cfg)
+        dev, _ = train_state(p, role, cfg)
         moved += dev.grads + dev.optimizer
     for role in p.roles_of("infer"):
-        moved += _infer_state(p, role, cfg).params
+        moved += infer_state(p, role, cfg).params
     return moved
 
 
@@ -453,49 +193,6 @@ def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Enumeration
-
-
-def _train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
-    """Trainer layouts over devices [first, first+n) that respect the policy's pins and that the executors
-    run (the capability table); for a preview, a preview-only choice the user pinned is laid out too."""
-    role = p.policy
-    hint = p.hint(role.name)
-    shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
-    offloads = [hint.offload] if hint.offload is not None else [False, True]
-    out = []
-    for tp, pp, dp, fsdp in train_shapes(role, hint, n, p.per_node):
-        for sharding in shardings:
-            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
-            if refusal is not None and not (p.target == "preview" and refusal.field == "pp" and hint.pp == pp):
-                continue
-            for recompute in (False, True):
-                for offload in offloads:
-                    out.append(TrainCfg(first, n, dp, fsdp, tp, pp, sharding, recompute, offload))
-    return out
-
-
-def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
-    role = p.generator
-    assert role is not None
-    hint = p.hint(role.name)
-    # fp8 runs where the hardware has it (the capability table); the search offers it on its own where it
-    # runs on fp8 matmul units, and where it is dequantized at use (CPU) it only saves memory, so it is
-    # run when pinned.
-    fp8 = hardware_has_fp8(p.hw)
-    offered = ["bf16", "fp8"] if fp8 and not cost.fp8_dequantizes(p.hw) else ["bf16"]
-    precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
-                  if precision_refusal("generate", prec, hardware_fp8=fp8) is None]
-    return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
-
-
-def _splits(p: Problem) -> list[tuple[int, int, int, int]]:
-    """(gen_first, gen_n, train_first, train_n) device splits for disaggregated layouts."""
-    gen_hint = p.hint(p.generator.name) if p.generator else RoleHint()
-    return device_splits(p.num_devices, p.per_node, gen_hint.devices, p.hint(p.policy.name).devices)
-
-
-# ------------------------------------------------------------------------------------------------
 # Evaluation of full candidates
 
 
@@ -521,9 +218,9 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
         resident = resident_while_generating(mem)
         res = generation_time(p, gen, p.usable - resident)
         if res is None:
-            need = resident + _gen_weights(p.generator, gen.tp, gen.precision) + _gen_per_sequence(p, p.generator, gen.tp)
+            need = resident + gen_weights(p.generator, gen.tp, gen.precision) + gen_per_sequence(p, p.generator, gen.tp)
             return _reject(ev, p.generator.name, need, p.usable,
-                           f"generator weights ({_gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB) "
+                           f"generator weights ({gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB) "
                            f"beside {resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
         phases["generate"] = res[0]
         phases["reshard_in_place"] = reshard_in_place_time(p, train, gen)[0]
@@ -538,8 +235,8 @@ def _gen_half(p: Problem, gen: GenCfg) -> tuple[float, str | None, float]:
     """(seconds, rejection reason, bytes needed) of a generator alone on its mesh."""
     res = generation_time(p, gen, p.usable)
     if res is None:
-        need = _gen_weights(p.generator, gen.tp, gen.precision) + _gen_per_sequence(p, p.generator, gen.tp)
-        return math.inf, (f"generator weights {_gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB per "
+        need = gen_weights(p.generator, gen.tp, gen.precision) + gen_per_sequence(p, p.generator, gen.tp)
+        return math.inf, (f"generator weights {gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB per "
                           f"device leave no room for the KV cache ({p.usable / GB:.1f} GB usable)"), need
     return res[0], None, 0.0
 
@@ -596,8 +293,8 @@ def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResu
     colocated: list[Evaluated] = []
     if "colocated" in strategies or True:  # the colocated-synchronous baseline is always computed
         n = p.num_devices
-        gens = _gen_cfgs(p, 0, n) if p.generator else [None]
-        for train in _train_cfgs(p, 0, n):
+        gens = gen_cfgs(p, 0, n) if p.generator else [None]
+        for train in train_cfgs(p, 0, n):
             mem = trainer_mesh_memory(p, train)
             times = trainer_times(p, train) if mem.peak <= p.usable else None
             for gen in gens:
@@ -606,9 +303,9 @@ def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResu
     if "colocated" in strategies:
         evaluated.extend(colocated)
     if "disaggregated" in strategies:
-        for g_first, g_n, t_first, t_n in _splits(p):
+        for g_first, g_n, t_first, t_n in splits(p):
             gen_ranked: list[tuple[float, str, GenCfg]] = []
-            for gen in _gen_cfgs(p, g_first, g_n):
+            for gen in gen_cfgs(p, g_first, g_n):
                 considered += 1
                 t, why, need = _gen_half(p, gen)
                 if why is None:
@@ -617,7 +314,7 @@ def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResu
                     ev = Evaluated("disaggregated", TrainCfg(t_first, t_n, 1, 1, 1, 1, "none", False, False), gen, True)
                     evaluated.append(_reject(ev, p.generator.name, need, p.usable, why))
             train_ranked: list[tuple[float, str, TrainCfg, dict[str, float]]] = []
-            for train in _train_cfgs(p, t_first, t_n):
+            for train in train_cfgs(p, t_first, t_n):
                 considered += 1
                 mem = trainer_mesh_memory(p, train)
                 if mem.peak > p.usable:
@@ -680,166 +377,3 @@ def no_fit_error(p: Problem, rejected: list[Evaluated]) -> PlacementError:
         f"{nearest.available_bytes / GB:.2f} GB available (nearest: {nearest.label})",
         path=("placement", "roles", nearest.worst_role or ""), fix="try " + ", or ".join(fixes),
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# Pins: checked up front, each error names its field
-
-
-def check_pins(p: Problem) -> None:
-    names = {r.name: r for r in p.roles}
-    for key, hint in p.hints.roles.items():
-        path = ("placement", "roles", key)
-        role = names.get(key)
-        if role is None:
-            raise PlacementError(f"unknown role {key!r}", path=path,
-                                 fix=f"use one of the roles: {', '.join(names)}")
-        if hint.tp and not _tp_ok(role, hint.tp):
-            raise PlacementError(
-                f"tp {hint.tp} does not divide the {role.dims.num_heads} attention heads / "
-                f"{role.dims.num_kv_heads} KV heads of {role.model}", path=path + ("tp",),
-                fix="use a tp that divides the number of heads (1, 2, 4, 8 ...)")
-        if hint.pp and hint.pp > role.dims.num_layers:
-            raise PlacementError(f"pp {hint.pp} is larger than the {role.dims.num_layers} layers of {role.model}",
-                                 path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
-        if hint.devices:
-            first, stop = parse_device_range(hint.devices)
-            if stop > p.num_devices:
-                raise PlacementError(
-                    f"device range {hint.devices!r} is outside the cluster's {p.num_devices} devices "
-                    f"(0-{p.num_devices - 1})", path=path + ("devices",), fix="pin a range inside the cluster")
-        if hint.precision is not None and (refusal := precision_refusal(
-                role.kind, hint.precision, hardware_fp8=hardware_has_fp8(p.hw))) is not None:
-            raise PlacementError(f"{refusal.why} (hardware {p.hw.name})", path=path + ("precision",), fix=refusal.fix)
-    for i, group in enumerate(p.hints.colocate):
-        for name in group:
-            if name not in names:
-                raise PlacementError(f"unknown role {name!r} in colocate group", path=("placement", "colocate", i),
-                                     fix=f"use roles: {', '.join(names)}")
-
-
-def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec, target: Target = "preview") -> Problem:
-    roles = derive_roles(graph)
-    if not any(r.kind == "train" for r in roles):
-        raise PlacementError("the job trains no model", path=("nodes",), fix="add a train node")
-    p = Problem(tuple(roles), derive_workload(graph), cluster, hw, graph.job.placement, graph.job.schedule.mode,
-                target)
-    check_pins(p)
-    return p
-
-
-# ------------------------------------------------------------------------------------------------
-# From a chosen candidate to the plan's Layout
-
-
-def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
-    return MemoryBytes(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
-                       kv_cache=m.kv_cache, gathered=m.gathered)
-
-
-def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey, float]:
-    """Predicted seconds of each (instruction kind, role) on a candidate's layout, from the cost model:
-    every role's forward and update, generation, the in-place reshard of a colocated policy, and the
-    per-job kinds. Weight syncs by DDMA are timed by their own planner (compiler/weight_sync.py)."""
-    durations = dict(role_times(p, ev.train))
-    overhead = p.hw.op_overhead_s
-    durations.update({CostKey("Rule"): overhead, CostKey("Advantage"): overhead, CostKey("Checkpoint"): overhead,
-                      CostKey("ReleaseWeights"): 0.0})
-    gen_role = p.generator
-    if gen_role is not None and ev.gen is not None:
-        free = p.usable
-        if layout.strategy == "colocated":
-            free = p.usable - resident_while_generating(trainer_mesh_memory(p, ev.train))
-            durations[CostKey("ReshardInPlace", p.policy.model)] = reshard_in_place_time(p, ev.train, ev.gen)[0]
-        res = generation_time(p, ev.gen, free)
-        durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
-    return durations
-
-
-def to_layout(p: Problem, ev: Evaluated) -> Layout:
-    """The plan's view of a candidate: meshes, per-role placements with memory, inserted operations."""
-    train, gen = ev.train, ev.gen
-    meshes: list[Mesh] = []
-    placements: list[RolePlacement] = []
-    operations: list[Operation] = []
-    device_memory: list[DeviceMemory] = []
-    trainer_mesh = "all" if ev.strategy == "colocated" else "trainer"
-    meshes.append(train.mesh(trainer_mesh))
-    mem = trainer_mesh_memory(p, train)
-    capacity = p.hw.memory_bytes
-    for role in p.roles_of("train", "infer"):
-        placements.append(RolePlacement(
-            role=role.name, model=role.model, kind=role.kind, ops=list(role.ops), mesh=trainer_mesh,
-            dp=train.dp, fsdp=train.fsdp, tp=train.tp, pp=train.pp,
-            sharding=train.sharding if role.kind == "train" else ("fsdp" if train.dp * train.fsdp > 1 else "none"),  # type: ignore[arg-type]
-            precision="bf16", offload=list(mem.offloaded[role.name]),  # type: ignore[arg-type]
-            memory_bytes=_mem_bytes(mem.roles[role.name]), host_bytes=_mem_bytes(mem.host[role.name]),
-        ))
-        if mem.offloaded[role.name]:
-            moved = sum(getattr(mem.roles[role.name], k) for k in mem.offloaded[role.name]) * train.n
-            t = cost.offload_time(moved / train.n, p.hw)
-            operations.append(Operation(kind="offload", src=role.name, dst="host", num_bytes=moved, time_s=t,
-                                        detail=f"{', '.join(mem.offloaded[role.name])} while idle"))
-            operations.append(Operation(kind="onload", src="host", dst=role.name, num_bytes=moved, time_s=t,
-                                        detail="before its phase"))
-    if gen is not None and p.generator is not None:
-        g = p.generator
-        gen_mesh = trainer_mesh if ev.strategy == "colocated" else "generator"
-        if ev.strategy == "disaggregated":
-            meshes.append(gen.mesh("generator"))
-            free = p.usable
-        else:
-            free = p.usable - resident_while_generating(mem)
-        res = generation_time(p, gen, free)
-        concurrent = res[1] if res else 1
-        gmem = cost.inference_memory(g.dims, tp=gen.tp, pp=1, precision=gen.precision,  # type: ignore[arg-type]
-                                     batch=concurrent, context_len=p.workload.seq_len, generator=True)
-        gmem = replace(gmem, params=_gen_weights(g, gen.tp, gen.precision))
-        placements.append(RolePlacement(
-            role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
-            precision=gen.precision, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
-        ))
-        if ev.strategy == "colocated":
-            t, b = reshard_in_place_time(p, train, gen)
-            operations.append(Operation(
-                kind="reshard_in_place", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
-                detail=(f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards" if b else
-                        "the generator reads the trainer's weights in place")
-                + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")))
-            resident = resident_while_generating(mem)
-            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total),
-                                              capacity_bytes=capacity, roles=[pl.role for pl in placements]))
-        else:
-            t, b = weight_sync_time(p, train, gen)
-            operations.append(Operation(
-                kind="weight_sync", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
-                detail=f"DDMA point-to-point, {train.n} senders -> {gen.n} receivers ({gen.dp} replicas x tp{gen.tp})"
-                       + (", fp8 cast on receive" if gen.precision == "fp8" else "")))
-            t, b = rollout_transfer_time(p, p.spans(min(train.first, gen.first), train.n + gen.n))
-            operations.append(Operation(kind="reshard", src=g.name, dst=trainer_mesh, num_bytes=b, time_s=t,
-                                        detail=f"rollouts from {gen.dp} generator replicas to {train.dp * train.fsdp} trainer ranks, balanced by tokens"))
-            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
-                                              roles=[pl.role for pl in placements if pl.mesh == trainer_mesh]))
-            device_memory.append(DeviceMemory(mesh="generator", peak_bytes=gmem.total, capacity_bytes=capacity,
-                                              roles=[g.name]))
-    else:
-        device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
-                                          roles=[pl.role for pl in placements]))
-    estimate = StepEstimate(step_time_s=ev.step_time_s, phases=ev.phases, mode=effective_mode(p.mode, ev.strategy))
-    return Layout(strategy=ev.strategy, label=ev.label, meshes=meshes, placements=placements,
-                  operations=operations, device_memory=device_memory, estimate=estimate)
-
-
-def summaries(result: SearchResult, limit: int = 200) -> list[CandidateSummary]:
-    """The best candidates, then rejected ones (one per distinct reason first), for --explain and JSON."""
-    out = [CandidateSummary(label=e.label, strategy=e.strategy, fits=True, step_time_s=e.step_time_s)
-           for e in result.ranked[: limit // 2]]
-    seen: set[str] = set()
-    firsts, rest = [], []
-    for e in sorted(result.rejected, key=lambda e: (e.overflow, e.label)):
-        reason_kind = (e.reason or "").split(" needs")[0].split(" weights")[0]
-        (rest if reason_kind in seen else firsts).append(e)
-        seen.add(reason_kind)
-    for e in (firsts + rest)[: limit - len(out)]:
-        out.append(CandidateSummary(label=e.label, strategy=e.strategy, fits=False, reason=e.reason))
-    return out

@@ -29,7 +29,8 @@ from click.testing import CliRunner
 from graphrl.cli import main
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.typecheck import typecheck
-from graphrl.compiler.placement import Evaluated, make_problem, search
+from graphrl.compiler.candidates import Evaluated, make_problem
+from graphrl.compiler.placement import search
 from graphrl.ir import build_graph
 from graphrl.loader import job_cluster, load_job
 

@@ -18,7 +18,8 @@ from graphrl.cli import main
 from graphrl.compiler.compile import compile_job
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.typecheck import typecheck
-from graphrl.compiler.placement import _splits, _train_cfgs, make_problem, search
+from graphrl.compiler.candidates import make_problem, splits, train_cfgs
+from graphrl.compiler.placement import search
 from graphrl.errors import RunError
 from graphrl.executors.launcher import launch_local
 from graphrl.ir import build_graph
@@ -79,8 +80,8 @@ def _problem(example: str, cluster: str | None, target: str):  # noqa: ANN202
                                               ("llama3_8b.yaml", str(EXAMPLES / "clusters" / "h200_8.yaml"))])
 def test_the_search_offers_run_only_what_runs(example: str, cluster: str) -> None:
     p = _problem(example, cluster, "run")
-    meshes = [(0, p.num_devices)] + [(t_first, t_n) for _, _, t_first, t_n in _splits(p)]
-    halves = [cfg for first, n in meshes for cfg in _train_cfgs(p, first, n)]
+    meshes = [(0, p.num_devices)] + [(t_first, t_n) for _, _, t_first, t_n in splits(p)]
+    halves = [cfg for first, n in meshes for cfg in train_cfgs(p, first, n)]
     for cfg in halves:
         assert train_layout_refusal(dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp, sharding=cfg.sharding) is None
     # Every sharding that runs is still offered somewhere, so the filter cannot pass by offering nothing.

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler.hardware import resolve_hardware
-from graphrl.compiler.placement import make_problem, search
+from graphrl.compiler.candidates import make_problem
+from graphrl.compiler.placement import search
 from graphrl.compiler.typecheck import typecheck
 from graphrl.schemas.sharding import tp_split_problem
 from graphrl.errors import PlacementError

@@ -198,7 +198,8 @@ def test_an_fsdp_trainer_as_wide_as_its_colocated_tp_generator_gathers_only_the_
 def test_a_colocated_generator_as_wide_as_an_fsdp_trainer_reshards_for_less_than_a_gather():
     from graphrl.compiler.hardware import resolve_hardware
     from graphrl.compiler.typecheck import typecheck
-    from graphrl.compiler.placement import GenCfg, TrainCfg, make_problem, reshard_in_place_time, unaligned_tp_shards
+    from graphrl.compiler.candidates import GenCfg, TrainCfg, make_problem
+    from graphrl.compiler.placement import reshard_in_place_time, unaligned_tp_shards
     from graphrl.ir import build_graph
 
     job = load_job(EXAMPLES / "grpo_tiny.yaml")

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from graphrl.cli import main
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.typecheck import typecheck
-from graphrl.compiler.placement import Problem, _splits, _train_cfgs, make_problem, search
+from graphrl.compiler.candidates import Problem, make_problem, splits, train_cfgs
+from graphrl.compiler.placement import search
 from graphrl.ir import build_graph
 from graphrl.loader import apply_overrides, job_cluster, load_job, parse_override
 
@@ -39,8 +40,8 @@ CASES = [("grpo_tiny.yaml", "local-cpu-2"), ("grpo_tiny.yaml", "local-cpu-4"), (
 @pytest.mark.parametrize("example, cluster", CASES)
 def test_search_never_proposes_pipeline_parallelism(example: str, cluster: str) -> None:
     p = problem(example, cluster)
-    meshes = [(0, p.num_devices)] + [(t_first, t_n) for _, _, t_first, t_n in _splits(p)]
-    halves = [cfg for first, n in meshes for cfg in _train_cfgs(p, first, n)]
+    meshes = [(0, p.num_devices)] + [(t_first, t_n) for _, _, t_first, t_n in splits(p)]
+    halves = [cfg for first, n in meshes for cfg in train_cfgs(p, first, n)]
     assert halves and all(cfg.pp == 1 for cfg in halves)
     # The enumeration still covers the other axes, so the test cannot pass by enumerating nothing.
     assert {cfg.sharding for cfg in halves} >= {"none", "fsdp"} and max(cfg.fsdp for cfg in halves) == p.num_devices
@@ -70,7 +71,7 @@ def test_run_and_launch_refuse_a_pinned_pp_up_front(command: str, tmp_path: Path
 def test_a_colocated_plan_predicts_the_generation_the_search_ranked(example: str, cluster: str) -> None:
     """The Generate duration the programs carry (what the simulator charges) is the one the search ranked
     the candidate by: both leave the generator the memory the trainer's idle state does not hold."""
-    from graphrl.compiler.placement import layout_durations, to_layout
+    from graphrl.compiler.to_layout import layout_durations, to_layout
     from graphrl.schemas.program import CostKey
 
     p = problem(example, cluster)

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from graphrl.cli import main
-from graphrl.compiler import passes, placement
+from graphrl.compiler import candidates, passes
 from graphrl.compiler.compile import start, with_steps
 from graphrl.loader import job_cluster, load_job
 from graphrl.schemas.program import CostKey, Recv
@@ -56,7 +56,7 @@ def test_placement_hands_on_typed_records_not_the_search() -> None:
     """The passes after placement read the job's shape, the layouts and their durations: nothing of the
     search's own records (`Problem`, `Evaluated`) leaves the placement pass."""
     placed = _compile("aipo_async_tiny.yaml").placement
-    private = (placement.Problem, placement.Evaluated, placement.TrainCfg, placement.GenCfg)
+    private = (candidates.Problem, candidates.Evaluated, candidates.TrainCfg, candidates.GenCfg)
     for f in dataclasses.fields(placed):
         assert not isinstance(getattr(placed, f.name), private), f.name
     assert {k.kind for k in placed.durations} >= {"TrainStep", "Generate", "Rule", "Checkpoint"}

@@ -1,0 +1,122 @@
+"""Memory of a placement candidate: what one mesh holds at its peak phase (the trainer's state by sharding,
+dtype and offload; frozen models as the executors shard them; a generator's weights and KV cache)."""
+
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+from graphrl.compiler import cost
+from graphrl.compiler.candidates import Problem, TrainCfg
+from graphrl.compiler.roles import Role
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory of one mesh at its peak phase
+
+
+def micro_tokens(p: Problem, cfg: TrainCfg) -> int:
+    w = p.workload
+    local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
+    per_micro = min(local, w.micro_batch) if w.micro_batch else local
+    return per_micro * w.seq_len
+
+
+def train_state(p: Problem, role: Role, cfg: TrainCfg) -> tuple[cost.MemoryBreakdown, cost.MemoryBreakdown]:
+    """(device, host) bytes of a train role while it trains (optimizer offloaded between steps if cfg.offload)."""
+    return cost.training_memory(
+        role.dims, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp, sharding=cfg.sharding,  # type: ignore[arg-type]
+        micro_batch_tokens=micro_tokens(p, cfg), seq_len=p.workload.seq_len, recompute=cfg.recompute,
+        compute_bytes=role.weight_bytes,
+    )
+
+
+def infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
+    """A frozen model beside the trainer: split over tp like the trainer, its decoder layers sharded over
+    the data-parallel ranks (ZeRO-3 inference), the embedding, final norm and head whole."""
+    w = p.workload
+    local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
+    micro = min(local, w.micro_batch) if w.micro_batch else local
+    mem = cost.inference_memory(role.dims, tp=cfg.tp, pp=cfg.pp, precision="bf16", batch=micro,
+                                context_len=w.seq_len, generator=False)
+    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
+    mem = replace(mem, params=cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp))
+    d = cfg.dp * cfg.fsdp
+    if d > 1:  # the decoder layers are sharded over d and gathered one (and the prefetched one) at a time;
+        # the embedding, final norm and head stay whole (`executors.parallel.shard_frozen`)
+        layer = cost.layer_params(role.dims) / cfg.tp * dtype_bytes
+        layers = role.dims.num_layers / cfg.pp * layer
+        mem = replace(mem, params=mem.params - layers + layers / d + 2 * layer, gathered=2 * layer)
+    return mem
+
+
+@dataclass(frozen=True)
+class MeshMemory:
+    """Per-role device bytes at the mesh's peak, the peak itself, and host bytes."""
+
+    peak: float
+    roles: dict[str, cost.MemoryBreakdown]
+    host: dict[str, cost.MemoryBreakdown]
+    offloaded: dict[str, tuple[str, ...]]
+
+
+def _idle(mem: cost.MemoryBreakdown, offloaded: tuple[str, ...]) -> float:
+    """Bytes an idle role keeps on the device: its state minus what is offloaded, no activations."""
+    keep = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer}
+    return sum(v for k, v in keep.items() if k not in offloaded)
+
+
+def resident_while_generating(mem: MeshMemory) -> float:
+    """Bytes per device the trainer mesh keeps while a colocated generator runs on it: every role's
+    idle state, minus what the candidate offloads. The search, the plan's layout and its predicted
+    Generate duration all leave the generator the rest."""
+    return sum(_idle(m, mem.offloaded[name]) for name, m in mem.roles.items())
+
+
+def trainer_mesh_memory(p: Problem, cfg: TrainCfg, extra_resident: float = 0.0) -> MeshMemory:
+    """Peak bytes per device of the trainer mesh: the train roles and the frozen roles beside them.
+
+    Phases run one at a time: the frozen models' forwards, then each train role's update. In a phase the
+    active role holds its full state plus activations; idle roles hold their state minus what the
+    candidate offloads (optimizer and gradients of idle train roles, weights of idle frozen roles).
+    `extra_resident` is memory held by another role in every phase (the colocated generator, say).
+    """
+    roles: dict[str, cost.MemoryBreakdown] = {}
+    host: dict[str, cost.MemoryBreakdown] = {}
+    offloaded: dict[str, tuple[str, ...]] = {}
+    for role in p.roles_of("train"):
+        dev, h = train_state(p, role, cfg)
+        roles[role.name], host[role.name] = dev, h
+        offloaded[role.name] = ("grads", "optimizer") if cfg.offload else ()
+    for role in p.roles_of("infer"):
+        roles[role.name] = infer_state(p, role, cfg)
+        host[role.name] = cost.MemoryBreakdown()
+        offloaded[role.name] = ("params",) if cfg.offload else ()
+    # Train roles that also run forwards (a critic's values, the old policy's log-probs) keep their
+    # weights in every phase anyway (only their gradients and optimizer state are offloaded).
+    phases = [[r.name for r in p.roles_of("infer")]] + [[r.name] for r in p.roles_of("train")]
+    peak = 0.0
+    for active in phases:
+        total = extra_resident
+        for name, mem in roles.items():
+            total += mem.total if name in active else _idle(mem, offloaded[name])
+        peak = max(peak, total)
+    return MeshMemory(peak, roles, host, offloaded)
+
+
+def gen_per_sequence(p: Problem, role: Role, tp: int) -> float:
+    """Device bytes one in-flight sequence adds to a generator: its KV cache and decode activations."""
+    one = cost.inference_memory(role.dims, tp=tp, pp=1, precision="bf16", batch=1,
+                                context_len=p.workload.seq_len, generator=True)
+    return one.kv_cache + one.activations
+
+
+def gen_weights(role: Role, tp: int, precision: str) -> float:
+    """A generator's weight bytes per device: the model's own dtype (a float32 CPU model stores 4 bytes per
+    weight); with fp8, the block linears at 1 byte plus their scales and the rest still at the dtype."""
+    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)
+    if precision == "fp8":
+        return cost.weight_bytes(role.dims, cost.PRECISION_BYTES["fp8"], dtype_bytes) / tp
+    return cost.weight_bytes(role.dims, dtype_bytes) / tp
