@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from graphrl.engine_support import ENGINE_PRECISIONS
 from graphrl.errors import PlacementError
 from graphrl.ir import JobGraph
 from graphrl.schemas.cluster import ClusterSpec
@@ -471,6 +472,7 @@ def _gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     # saves memory, so it is run when pinned.
     native_fp8 = p.hw.peak_fp8_flops > 0 and not cost.fp8_dequantizes(p.hw)
     precisions = [hint.precision] if hint.precision else (["bf16", "fp8"] if native_fp8 else ["bf16"])
+    precisions = [prec for prec in precisions if prec in ENGINE_PRECISIONS[hint.engine or "native"]]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 
@@ -784,7 +786,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         gmem = replace(gmem, params=_gen_weights(g, gen.tp, gen.precision))
         placements.append(RolePlacement(
             role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
-            precision=gen.precision, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
+            precision=gen.precision, engine=p.hint(g.name).engine or "native",
+            memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
         ))
         if ev.strategy == "colocated":
             t, b = reshard_in_place_time(p, train, gen)
