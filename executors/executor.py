@@ -54,8 +54,10 @@ from graphrl.tasks import REWARDS, resolve_callable
 from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8
-from graphrl.executors.models.llama import Llama, LlamaCritic, generate, token_logprobs_and_entropy, token_values
+from graphrl.executors.models.llama import Llama, LlamaCritic, token_logprobs_and_entropy, token_values
 from graphrl.executors.guards import check_rewards, check_update, check_weights, reward_tensor
+from graphrl.executors.engines import EngineContext, GenerationEngine, GenerationRequest, build_engine
+from graphrl.executors.mismatch import logprob_mismatch
 from graphrl.executors.checkpointing import load_inflight, load_role_state, save_inflight, save_role_state
 from graphrl.executors.outputs import (MetricsWriter, SamplesWriter, checkpoint_folders, checkpoint_layout,
                                       finish_checkpoint, versions_ahead_file)
@@ -84,16 +86,6 @@ def step_lag(programs: Programs, rank: int) -> int:
             newest = max(newest, step)
             lag = max(lag, newest - step)
     return lag
-
-
-def response_uniforms(seed: int, step: int, start: int, stop: int, length: int) -> Tensor:
-    """The uniform numbers that sample responses [start, stop) of a step, [stop - start, length]: row i
-    comes from a generator seeded by (seed, step, i) alone, so a response is the same on every layout
-    (however many generator replicas split the batch, at whatever tensor-parallel size)."""
-    rows = [torch.rand(length, generator=torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_048_576 + i),
-                       dtype=torch.float64)
-            for i in range(start, stop)]
-    return torch.stack(rows) if rows else torch.empty(0, length, dtype=torch.float64)
 
 
 @dataclass
@@ -164,6 +156,7 @@ class RankExecutor:
         self.kept_versions: dict[int, dict[str, Tensor]] = {}
         self.saved_versions: dict[tuple[str, int], Path] = {}
         self._build_roles(resume_state)
+        self.engines = self._start_engines()
         self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
         self.dispatch: dict[type, Callable[[Any], None]] = {
             kind: handler.__get__(self) for kind, handler in HANDLERS.items()}
@@ -246,6 +239,20 @@ class RankExecutor:
             self.roles[p.role] = state
         if resume_state is not None:
             self._resume(resume_state)
+
+    def _start_engines(self) -> dict[str, GenerationEngine]:
+        """One engine per generator role on this rank (the plan's choice), on the role's current weights."""
+        max_model_len = self.data_node.spec.prompt_len + self.gen_node.spec.max_new_tokens
+        context = EngineContext(self.rank, self.rt.device, self.job.run.threads_per_rank, self.seed, max_model_len)
+        return {name: build_engine(role.placement, role.module, _DTYPES[self.job.models[role.placement.model].dtype],
+                                   context)
+                for name, role in self.roles.items() if role.placement.kind == "generate"}
+
+    def _weights_changed(self, role: str) -> None:
+        """A generator role's module holds new weights: its engine takes them (a no-op for the native one)."""
+        engine = self.engines.get(role)
+        if engine is not None:
+            engine.weights_updated()
 
     def _resume(self, saved: dict[str, Any]) -> None:
         """Trained roles' shards and optimizer state, weight versions, and the rollouts this rank had
@@ -357,6 +364,7 @@ class RankExecutor:
         else:
             dst.module.load_state_dict(weights)
         dst.version = ins.version  # type: ignore[union-attr]
+        self._weights_changed(dst.placement.role)
 
     def write_ledger(self) -> None:
         """This rank's device bytes of weights, gradients and optimizer state, beside the plan's accounting.
@@ -421,25 +429,10 @@ class RankExecutor:
         prompt_ids = prompt_ids[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
         prompt_mask = prompt_mask[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
         spec = self.gen_node.spec
-        uniforms = response_uniforms(self.seed, ins.step, ins.start, ins.stop, spec.max_new_tokens).to(self.rt.device)
-        module = role.module
-        was_training = module.training
-        module.eval()
-        with torch.no_grad():
-            out = generate(module, prompt_ids, prompt_mask, spec.max_new_tokens, temperature=spec.temperature,
-                           top_p=spec.top_p, uniforms=uniforms, eos_id=self.source.stop_ids,
-                           pad_id=self.source.pad_id)
-        module.train(was_training)
-        response_ids = out.response_ids
-        if response_ids.shape[1] < spec.max_new_tokens:  # every sequence stopped early: pad to R
-            pad = spec.max_new_tokens - response_ids.shape[1]
-            response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=self.source.pad_id)
-            out_mask = torch.nn.functional.pad(out.response_mask, (0, pad), value=False)
-            out_lp = torch.nn.functional.pad(out.logprobs, (0, pad), value=0.0)
-        else:
-            out_mask, out_lp = out.response_mask, out.logprobs
-        piece = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-                 "response_mask": out_mask, "behaviour_logprobs": out_lp.float(), "version": torch.tensor([ins.version])}
+        request = GenerationRequest(prompt_ids, prompt_mask, spec.max_new_tokens, spec.temperature, spec.top_p,
+                                    tuple(self.source.stop_ids), self.source.pad_id, self.seed, ins.step, ins.start,
+                                    ins.version)
+        piece = self.engines[ins.role].generate(request)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _forward_role(self, ins: Logprob | Value | Reward) -> RoleState:
@@ -538,7 +531,10 @@ class RankExecutor:
         module = role.wrapped
         scale = self._token_mean_scale(role, mask)
         metrics: dict[str, float] = {}
-        for _ in range(a.updates_per_step):
+        # The trainer holds the weights the rollouts were sampled with (a synchronous step): its first
+        # pass's log-probs against the engine's give the train/inference mismatch.
+        same_weights = int(r["version"].item()) == role.version
+        for update in range(a.updates_per_step):
             role.optimizer.zero_grad(set_to_none=True)
             if LOSSES[spec.loss].trains == "critic":
                 values = module(r["prompt_ids"], r["prompt_mask"], r["response_ids"], mask)
@@ -550,6 +546,10 @@ class RankExecutor:
                 behaviour = r["behaviour_logprobs"]
                 inputs = alg.PolicyLossInputs(logprobs, old, behaviour, adv["advantages"], mask, a)
                 loss, metrics = alg.POLICY_LOSS_FNS[spec.loss](inputs)
+                if update == 0 and same_weights:
+                    mismatch = logprob_mismatch(behaviour, logprobs, mask, a.aipo_rho)
+                if same_weights:
+                    metrics.update(mismatch)
                 ref = self.read(ins, "ref_logprobs")
                 if ref is not None and a.kl_coef > 0:
                     kl, kl_metrics = alg.kl_penalty(logprobs, ref, mask, a.kl_estimator)
@@ -670,6 +670,7 @@ class RankExecutor:
                         dst_role.module if dst_role else None, self.rt)
         if dst_role is not None:
             dst_role.version = ins.version
+            self._weights_changed(ins.dst_role)
 
     def reshard_in_place(self, ins: ReshardInPlace) -> None:
         src, dst = self.roles[ins.src_role], self.roles[ins.dst_role]
@@ -682,6 +683,7 @@ class RankExecutor:
         elif dst.module is not src.module:
             copy_full_weights(dst.module, src.module)
         dst.version = ins.version
+        self._weights_changed(ins.dst_role)
 
     def release_weights(self, ins: ReleaseWeights) -> None:
         """The colocated generator shares the trainer's module: nothing to free on this executor."""
