@@ -346,7 +346,7 @@ class RankExecutor:
         """A resumed run skips the weight syncs of versions before its checkpoint; where a generator here
         still reads one of them (the run resumed was finished, so no rollouts were generated ahead), it
         takes that version's weights from the checkpoint instead of the sync."""
-        if SEMANTICS[type(ins)].weights != "sets":
+        if TRAITS[type(ins)].weights != "sets":
             return
         path = self.saved_versions.get((ins.model, ins.version))  # type: ignore[union-attr]
         dst = self.roles.get(ins.dst_role if isinstance(ins, ReshardInPlace) else f"{ins.model}/generate")  # type: ignore[union-attr]
