@@ -90,3 +90,27 @@ def test_native_engine_samples_from_the_response_seeds() -> None:
     assert torch.equal(piece["response_ids"][:, :width], direct.response_ids)
     assert piece["response_ids"].shape == (4, 6)
     assert response_seed(3, 1, 8) != response_seed(3, 2, 8) != response_seed(3, 1, 9)
+
+
+def test_a_calibrated_engine_scales_the_predicted_generation_time(monkeypatch) -> None:
+    """The compiler costs a vLLM generator from the calibrated tokens/s ratio, and only that generator."""
+    from graphrl.compiler import cost
+    from graphrl.schemas.hardware import HARDWARE_PRESETS, EngineThroughput
+    from graphrl.schemas.program import CostKey
+
+    measured = EngineThroughput(engine="vllm", tokens_per_s=400.0, native_tokens_per_s=100.0, probe="test")
+    hw = HARDWARE_PRESETS["cpu-local"].model_copy(update={"engines": (measured,)})
+    assert cost.engine_time_factor(hw, "vllm") == 0.25 and cost.engine_time_factor(hw, "native") == 1.0
+    assert cost.engine_time_factor(HARDWARE_PRESETS["h100-sxm-80gb"], "vllm") == 1.0
+    import graphrl.compiler.compile as compile_module
+
+    resolve = compile_module.resolve_hardware
+    monkeypatch.setattr(compile_module, "resolve_hardware",
+                        lambda cluster: resolve(cluster).model_copy(update={"engines": (measured,)}))
+    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: True)
+    sets = ("placement.strategy=colocated",)
+    native = _plan(*sets).programs.durations
+    vllm = _plan(*sets, "placement.roles.policy/generate.engine=vllm").programs.durations
+    key = CostKey("Generate", "policy/generate")
+    assert vllm[key] < native[key] * 0.5
+    assert vllm[CostKey("TrainStep", "policy")] == native[CostKey("TrainStep", "policy")]
