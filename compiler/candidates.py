@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from graphrl.errors import PlacementError
+from graphrl.engine_support import ENGINE_PRECISIONS
 from graphrl.ir import JobGraph
 from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
@@ -199,7 +200,8 @@ def gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     fp8 = hardware_has_fp8(p.hw)
     offered = ["bf16", "fp8"] if fp8 and not cost.fp8_dequantizes(p.hw) else ["bf16"]
     precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
-                  if precision_refusal("generate", prec, hardware_fp8=fp8) is None]
+                  if precision_refusal("generate", prec, hardware_fp8=fp8) is None
+                  and prec in ENGINE_PRECISIONS[hint.engine or "native"]]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 

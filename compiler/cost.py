@@ -396,6 +396,16 @@ def _sum_max_linear(a1: float, b1: float, a2: float, b2: float, lo: int, hi: int
     return _sum_linear(a1, b1, lo, split) + _sum_linear(a2, b2, split + 1, hi)
 
 
+def engine_time_factor(hw: HardwareSpec, engine: str) -> float:
+    """How much longer (< 1: shorter) a generator on `engine` takes than the native sampler the roofline
+    models: the ratio `graphrl calibrate` measured on this machine, or 1 where it measured none (the
+    native sampler itself; a GPU preset, whose engine throughput is not modelled separately)."""
+    for measured in hw.engines:
+        if measured.engine == engine:
+            return measured.native_tokens_per_s / measured.tokens_per_s
+    return 1.0
+
+
 def generation_time(
     dims: ModelDims,
     batch: int,

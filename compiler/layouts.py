@@ -7,6 +7,7 @@ One enumeration serves the search (`compiler/placement.py`) and the up-front pin
 
 from __future__ import annotations
 
+from graphrl.engine_support import ENGINE_MAX_TP
 from graphrl.schemas.job import RoleHint, parse_device_range
 from graphrl.schemas.sharding import tp_split_problem
 
@@ -50,9 +51,12 @@ def train_shapes(role: Role, hint: RoleHint, num_devices: int, devices_per_node:
 
 
 def generate_shapes(role: Role, hint: RoleHint, num_devices: int, devices_per_node: int) -> list[int]:
-    """tp of every generator layout (replicas of tp shards) over `num_devices` devices that honours the pins."""
+    """tp of every generator layout (replicas of tp shards) over `num_devices` devices that honours the pins
+    and that the pinned engine runs."""
+    max_tp = ENGINE_MAX_TP[hint.engine or "native"]
     return [tp for tp in tp_choices(role, hint, num_devices, devices_per_node)
-            if num_devices % tp == 0 and (not hint.dp or hint.dp * tp == num_devices)]
+            if num_devices % tp == 0 and (not hint.dp or hint.dp * tp == num_devices)
+            and (max_tp is None or tp <= max_tp)]
 
 
 def device_splits(num_devices: int, devices_per_node: int, gen_range: str | None,

@@ -65,6 +65,7 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
     batch = math.ceil(share / waves)
     t = waves * cost.generation_time(role.dims, batch, w.prompt_len, w.response_len, gen.tp,
                                      gen.precision, p.hw, intra_node=not p.tp_group_spans(gen.tp))  # type: ignore[arg-type]
+    t *= cost.engine_time_factor(p.hw, p.hint(role.name).engine or "native")
     return t + p.hw.op_overhead_s, min(concurrent, share)
 
 

@@ -53,7 +53,8 @@ def _layout_tables(layout: Layout, title: str) -> list[Table]:
         if p.kind == "train":
             par += f" {p.sharding}"
         m = p.memory_bytes
-        roles.add_row(p.role, p.kind, p.mesh, par, p.precision, human_bytes(m.params), human_bytes(m.grads),
+        kind = f"{p.kind} on {p.engine}" if p.kind == "generate" else p.kind  # which engine each generator uses
+        roles.add_row(p.role, kind, p.mesh, par, p.precision, human_bytes(m.params), human_bytes(m.grads),
                       human_bytes(m.optimizer), human_bytes(m.activations), human_bytes(m.kv_cache),
                       human_bytes(m.total), ",".join(p.offload) or "-")
 

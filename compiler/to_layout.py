@@ -84,6 +84,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                                         detail="before its phase"))
     if gen is not None and p.generator is not None:
         g = p.generator
+        engine = p.hint(g.name).engine or "native"
         gen_mesh = trainer_mesh if ev.strategy == "colocated" else "generator"
         if ev.strategy == "disaggregated":
             meshes.append(gen.mesh("generator"))
@@ -97,7 +98,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         gmem = replace(gmem, params=gen_weights(g, gen.tp, gen.precision))
         placements.append(RolePlacement(
             role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
-            precision=gen.precision, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
+            precision=gen.precision, engine=engine, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
         ))
         if ev.strategy == "colocated":
             t, b = reshard_in_place_time(p, train, gen)
@@ -105,7 +106,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                 kind="reshard_in_place", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
                 detail=(f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards" if b else
                         "the generator reads the trainer's weights in place")
-                + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")))
+                + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")
+                + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
             resident = resident_while_generating(mem)
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))
@@ -114,7 +116,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             operations.append(Operation(
                 kind="weight_sync", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
                 detail=f"DDMA point-to-point, {train.n} senders -> {gen.n} receivers ({gen.dp} replicas x tp{gen.tp})"
-                       + (", fp8 cast on receive" if gen.precision == "fp8" else "")))
+                       + (", fp8 cast on receive" if gen.precision == "fp8" else "")
+                       + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
             t, b = rollout_transfer_time(p, p.spans(min(train.first, gen.first), train.n + gen.n))
             operations.append(Operation(kind="reshard", src=g.name, dst=trainer_mesh, num_bytes=b, time_s=t,
                                         detail=f"rollouts from {gen.dp} generator replicas to {train.dp * train.fsdp} trainer ranks, balanced by tokens"))

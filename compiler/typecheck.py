@@ -25,6 +25,7 @@ from typing import Hashable
 
 import networkx as nx
 
+from graphrl.engine_support import ENGINE_MAX_TP, ENGINE_PRECISIONS, VLLM_INSTALL, engine_available
 from graphrl.errors import JobError, PlacementError
 from graphrl.ir import DataEdge, JobGraph
 from graphrl.ops import OPS, op_kind
@@ -293,7 +294,7 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
 # optional offload; a generator is dp replicas of tp shards in some precision.
 _AXES = {"train": ("dp", "fsdp", "tp", "pp"), "generate": ("dp", "tp")}
 _USED = {"train": {"devices", "dp", "fsdp", "tp", "pp", "sharding", "offload"},
-         "generate": {"devices", "dp", "tp", "precision"}}
+         "generate": {"devices", "dp", "tp", "precision", "engine"}}
 
 
 def _mesh_splits(job, policy: Role | None, generator: Role | None, cluster: ClusterSpec) -> list[tuple[int, int]]:  # noqa: ANN001
@@ -437,6 +438,8 @@ def _check_pins(graph: JobGraph, cluster: ClusterSpec | None, target: Target = "
         if target == "run" and role.kind == "train" and hint.pp is not None and \
                 (refusal := train_layout_refusal(dp=1, fsdp=1, tp=1, pp=hint.pp, sharding="none")) is not None:
             raise PlacementError(refusal.why, path=path + ("pp",), fix=refusal.fix)
+        if hint.engine is not None:
+            _check_engine_pin(hint, role, path)
         if policy is None or role not in (policy, generator):
             if pinned:
                 owner = policy.name if policy is not None else "the trainer"
@@ -461,6 +464,26 @@ def _check_pins(graph: JobGraph, cluster: ClusterSpec | None, target: Target = "
     if cluster is not None and policy is not None and generator is not None:
         _check_pins_share_a_split(job, policy, generator, cluster)
     return tuple(warnings)
+
+
+def _check_engine_pin(hint: RoleHint, role: Role, path: tuple[str, ...]) -> None:
+    """An engine is a choice of a generation copy, and it must be installed and able to hold the other pins."""
+    engine = hint.engine
+    assert engine is not None
+    if role.kind != "generate":
+        raise PlacementError(f"only generation copies run on an engine; {role.name!r} is a {role.kind} role",
+                             path=path + ("engine",), fix=f"pin engine on '{role.model}/generate'")
+    if not engine_available(engine):
+        raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
+                             path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")
+    max_tp = ENGINE_MAX_TP[engine]
+    if max_tp is not None and hint.tp is not None and hint.tp > max_tp:
+        raise PlacementError(f"engine {engine!r} runs one replica per rank here (tp <= {max_tp}), tp {hint.tp} is pinned",
+                             path=path + ("tp",), fix=f"pin tp: {max_tp} (more replicas with dp), or engine: native")
+    if hint.precision is not None and hint.precision not in ENGINE_PRECISIONS[engine]:
+        raise PlacementError(f"engine {engine!r} does not run precision {hint.precision!r}",
+                             path=path + ("precision",),
+                             fix=f"use precision: {' or '.join(ENGINE_PRECISIONS[engine])}, or engine: native")
 
 
 def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Target = "preview") -> JobGraph:

@@ -53,11 +53,12 @@ from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8, training
 from graphrl.executors.guards import check_rewards, reward_tensor
-from graphrl.executors.models.llama import generate, sampling_temperature, token_logprobs_and_entropy, token_values
+from graphrl.executors.engines import EngineContext, GenerationEngine, GenerationRequest, build_engine
+from graphrl.executors.models.llama import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
 from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
 from graphrl.executors.parallel import copy_full_weights, full_state_dict
-from graphrl.executors.roles import RoleState, build_roles, role_group
+from graphrl.executors.roles import DTYPES, RoleState, build_roles, role_group
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import Runtime
@@ -78,16 +79,6 @@ def step_lag(programs: Programs, rank: int) -> int:
             newest = max(newest, step)
             lag = max(lag, newest - step)
     return lag
-
-
-def response_uniforms(seed: int, step: int, start: int, stop: int, length: int) -> Tensor:
-    """The uniform numbers that sample responses [start, stop) of a step, [stop - start, length]: row i
-    comes from a generator seeded by (seed, step, i) alone, so a response is the same on every layout
-    (however many generator replicas split the batch, at whatever tensor-parallel size)."""
-    rows = [torch.rand(length, generator=torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_048_576 + i),
-                       dtype=torch.float64)
-            for i in range(start, stop)]
-    return torch.stack(rows) if rows else torch.empty(0, length, dtype=torch.float64)
 
 
 @dataclass
@@ -146,6 +137,7 @@ class RankExecutor:
         self.roles, self.mesh_groups = build_roles(plan, runtime)
         if resume_state is not None:
             self._resume(resume_state)
+        self.engines = self._start_engines()
         self.metrics = MetricsWriter(out_dir, enabled=self.is_reporter, tensorboard=plan.job.run.tensorboard)
         self.dispatch: dict[type, Callable[[Any], None]] = {
             kind: handler.__get__(self) for kind, handler in HANDLERS.items()}
@@ -161,6 +153,20 @@ class RankExecutor:
     @property
     def is_reporter(self) -> bool:
         return self.rank == self.trainer_ranks[0]
+
+    def _start_engines(self) -> dict[str, GenerationEngine]:
+        """One engine per generator role on this rank (the plan's choice), on the role's current weights."""
+        max_model_len = self.data_node.spec.prompt_len + self.gen_node.spec.max_new_tokens
+        context = EngineContext(self.rank, self.rt.device, self.job.run.threads_per_rank, self.seed, max_model_len)
+        return {name: build_engine(role.placement, role.module, DTYPES[self.job.models[role.placement.model].dtype],
+                                   context)
+                for name, role in self.roles.items() if role.placement.kind == "generate"}
+
+    def _weights_changed(self, role: str) -> None:
+        """A generator role's module holds new weights: its engine takes them (a no-op for the native one)."""
+        engine = self.engines.get(role)
+        if engine is not None:
+            engine.weights_updated()
 
     def _resume(self, saved: dict[str, Any]) -> None:
         """Trained roles' shards and optimizer state, weight versions, and the rollouts this rank had
@@ -262,6 +268,7 @@ class RankExecutor:
         else:
             dst.module.load_state_dict(weights)
         dst.version = ins.version  # type: ignore[union-attr]
+        self._weights_changed(dst.placement.role)
 
     def write_ledger(self) -> None:
         """This rank's device bytes of weights, gradients and optimizer state, beside the plan's accounting.
@@ -331,25 +338,10 @@ class RankExecutor:
         prompt_ids = prompt_ids[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
         prompt_mask = prompt_mask[p_lo:p_hi].repeat_interleave(g, 0).to(self.rt.device)
         spec = self.gen_node.spec
-        uniforms = response_uniforms(self.seed, ins.step, ins.start, ins.stop, spec.max_new_tokens).to(self.rt.device)
-        module = role.module
-        was_training = module.training
-        module.eval()
-        with torch.no_grad():
-            out = generate(module, prompt_ids, prompt_mask, spec.max_new_tokens, temperature=spec.temperature,
-                           top_p=spec.top_p, uniforms=uniforms, eos_id=self.source.stop_ids,
-                           pad_id=self.source.pad_id)
-        module.train(was_training)
-        response_ids = out.response_ids
-        if response_ids.shape[1] < spec.max_new_tokens:  # every sequence stopped early: pad to R
-            pad = spec.max_new_tokens - response_ids.shape[1]
-            response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=self.source.pad_id)
-            out_mask = torch.nn.functional.pad(out.response_mask, (0, pad), value=False)
-            out_lp = torch.nn.functional.pad(out.logprobs, (0, pad), value=0.0)
-        else:
-            out_mask, out_lp = out.response_mask, out.logprobs
-        piece = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-                 "response_mask": out_mask, "behaviour_logprobs": out_lp.float(), "version": torch.tensor([ins.version])}
+        request = GenerationRequest(prompt_ids, prompt_mask, spec.max_new_tokens, spec.temperature, spec.top_p,
+                                    tuple(self.source.stop_ids), self.source.pad_id, self.seed, ins.step, ins.start,
+                                    ins.version)
+        piece = self.engines[ins.role].generate(request)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _forward_role(self, ins: Logprob | Value | Reward) -> RoleState:
@@ -559,6 +551,7 @@ class RankExecutor:
                         dst_role.module if dst_role else None, self.rt)
         if dst_role is not None:
             dst_role.version = ins.version
+            self._weights_changed(ins.dst_role)
 
     def reshard_in_place(self, ins: ReshardInPlace) -> None:
         src, dst = self.roles[ins.src_role], self.roles[ins.dst_role]
@@ -571,6 +564,7 @@ class RankExecutor:
         elif dst.module is not src.module:
             copy_full_weights(dst.module, src.module)
         dst.version = ins.version
+        self._weights_changed(ins.dst_role)
 
     def release_weights(self, ins: ReleaseWeights) -> None:
         """The colocated generator shares the trainer's module: nothing to free on this executor."""

@@ -23,6 +23,7 @@ from graphrl.schemas.job import AlgorithmSpec
 from graphrl.executors import algorithms as alg
 from graphrl.executors import loss as loss_fns
 from graphrl.executors.guards import check_update
+from graphrl.executors.mismatch import logprob_mismatch
 from graphrl.executors.models.llama import sampling_temperature
 from graphrl.executors.parallel import clip_grad_norm
 from graphrl.executors.roles import RoleState
@@ -87,8 +88,12 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
     critic = LOSSES[loss_name].trains == "critic"
     weights, dp_size = loss_weights(mask, a.loss_agg, group, rt)
     slices = micro_batches(mask.shape[0], a.micro_batch_size, group, rt)
+    # When the trainer holds the weights the rollouts were sampled with (a synchronous step), its first
+    # pass's log-probs against the generator's give the train/inference mismatch.
+    same_weights = not critic and int(rollouts["version"].item()) == role.version
+    first_pass: list[Tensor] = []
     metrics: dict[str, float] = {}
-    for _ in range(a.updates_per_step):
+    for update in range(a.updates_per_step):
         role.optimizer.zero_grad(set_to_none=True)
         metrics = {}
         for k, rows in enumerate(slices):
@@ -102,6 +107,8 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                 else:
                     with sampling_temperature(role.module, temperature):
                         logprobs, entropy = module(*(b[key] for key in ROW_FIELDS))
+                    if update == 0 and same_weights:
+                        first_pass.append(logprobs.detach())
                     batch = loss_fns.PolicyBatch(
                         logprobs, entropy, part, rollouts["behaviour_logprobs"][rows],
                         None if ref is None else ref[rows], advantages["advantages"][rows], b["response_mask"],
@@ -115,6 +122,8 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
         check_update(float(loss.detach()), float(grad_norm), node=node, step=step)
         role.optimizer.step()
         metrics["grad_norm"] = float(grad_norm)
+    if first_pass:
+        metrics.update(logprob_mismatch(rollouts["behaviour_logprobs"], torch.cat(first_pass), mask, a.aipo_rho))
     return metrics
 
 

@@ -8,7 +8,9 @@ Measured, one thread per process as ranks run:
 - per-instruction overhead: the executor's rollout join with a rule reward and a GRPO advantage;
 - gloo point-to-point bandwidth and latency between two processes, and all-reduce, all-gather,
   reduce-scatter and broadcast for every group size from 2 to N ranks, each fitted as the ring-model
-  bandwidth and latency that reproduce it.
+  bandwidth and latency that reproduce it;
+- where vllm can be imported, the vLLM engine's generation tokens/s next to the native sampler's on the
+  same probe model and prompts (`engine_throughputs`), which costs generators placed on that engine.
 
 The result is a `HardwareSpec` JSON file that the `cpu-local` preset uses from then on (see
 graphrl.compiler.hardware). `fit_host_model` is a pure function of the probe timings, so it is tested
@@ -32,7 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphrl.compiler import cost
-from graphrl.schemas.hardware import HARDWARE_PRESETS, CollectiveFit, HardwareSpec, MeasuredCollective
+from graphrl.engine_support import engine_available
+from graphrl.schemas.hardware import HARDWARE_PRESETS, CollectiveFit, EngineThroughput, HardwareSpec, MeasuredCollective
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 
 Phase = Literal["generate", "forward", "train"]
@@ -443,7 +446,56 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         update.update(intra_node_bandwidth=p2p_bw, inter_node_bandwidth=p2p_bw, link_latency_s=latency)
         report(f"measuring gloo collectives on 2 to {max_ranks} processes...")
         update["collectives"] = collective_fits(max_ranks, report=report)
+    update["engines"] = engine_throughputs(report)
     return fitted.model_copy(update=update)
+
+
+# A probe the vLLM CPU backend runs (head_dim 64), small enough to measure in seconds.
+ENGINE_PROBE = ModelDims(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                         num_kv_heads=2, max_seq_len=256, rope_theta=10000.0)
+
+
+def engine_throughputs(report: Callable[[str], None] = print, batch: int = 16, prompt_len: int = 32,
+                       response_len: int = 64) -> tuple[EngineThroughput, ...]:
+    """Generation tokens/s of each installed engine and of the native sampler, same probe, same prompts
+    (float32, no stop token, so every response is `response_len` long); best of two timed runs after a
+    warm-up. Empty where no engine besides the native sampler is installed."""
+    if not engine_available("vllm"):
+        report("vllm is not installed: generators on engine vllm are costed as the native sampler")
+        return ()
+    from graphrl.executors.engines import EngineContext, GenerationRequest, NativeEngine, build_engine
+    from graphrl.executors.models.llama import Llama
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
+
+    torch.manual_seed(0)
+    model = Llama(ENGINE_PROBE).float().eval()
+    ids = torch.randint(3, ENGINE_PROBE.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    request = GenerationRequest(ids, torch.ones_like(ids, dtype=torch.bool), response_len, 1.0, 1.0, (), 0, 0, 0, 0, 0)
+    threads = torch.get_num_threads()
+    probe = f"{ENGINE_PROBE.num_layers}-layer d{ENGINE_PROBE.hidden_size} Llama, {batch} x {response_len} tokens, float32, {threads} threads"
+
+    def tokens_per_s(generate: Callable[[], Any]) -> float:
+        generate()
+        return batch * response_len / min(_timed_once(generate) for _ in range(2))
+
+    report(f"measuring generation engines ({probe})...")
+    native = tokens_per_s(lambda: NativeEngine(model).generate(request))
+    placement = RolePlacement(role="probe/generate", model="probe", kind="generate", ops=["generate"], mesh="probe",
+                              engine="vllm", memory_bytes=MemoryBytes())
+    engine = build_engine(placement, model, torch.float32,
+                          EngineContext(0, torch.device("cpu"), threads, 0, prompt_len + response_len))
+    try:
+        vllm = tokens_per_s(lambda: engine.generate(request))
+    finally:
+        engine.close()
+    report(f"  native {native:.0f} tokens/s, vllm {vllm:.0f} tokens/s ({vllm / native:.2f}x)")
+    return (EngineThroughput(engine="vllm", tokens_per_s=vllm, native_tokens_per_s=native, probe=probe),)
+
+
+def _timed_once(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def write_calibration(spec: HardwareSpec, path: Path) -> None:

@@ -21,6 +21,17 @@ TFLOPS = 1e12
 MeasuredCollective = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 
 
+class EngineThroughput(Frozen):
+    """A generation engine's measured speed next to graphrl's native sampler, on the same probe model,
+    prompts and machine (`graphrl calibrate`). The cost model scales the native sampler's predicted
+    generation time by `native_tokens_per_s / tokens_per_s` for a generator on this engine."""
+
+    engine: Literal["vllm"] = Field(description="The engine measured.")
+    tokens_per_s: Real = Field(gt=0, description="Generated tokens per second of the engine on the probe.")
+    native_tokens_per_s: Real = Field(gt=0, description="Generated tokens per second of the native sampler on the probe.")
+    probe: str = Field(description="What was measured: model, sequences x new tokens, dtype, threads.")
+
+
 class CollectiveFit(Frozen):
     """One collective measured on one node for one group size, as ring-model figures.
 
@@ -96,6 +107,11 @@ class HardwareSpec(Frozen):
         default=(),
         description="Measured collectives within one node (from `graphrl calibrate`); the cost model uses the "
                     "fit of the nearest measured group size and falls back to the link figures without one.",
+    )
+    engines: tuple[EngineThroughput, ...] = Field(
+        default=(),
+        description="Measured generation engines (from `graphrl calibrate`, where the engine is installed); a "
+                    "generator on an engine without a measurement is costed as the native sampler.",
     )
     reserved_memory_fraction: Real = Field(
         default=0.1, ge=0, lt=1, description="Device memory kept free for the allocator, workspace and fragmentation."

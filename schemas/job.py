@@ -22,6 +22,8 @@ _NAME = re.compile(NAME_PATTERN)
 _REF = re.compile(r"^(?P<node>[A-Za-z_][A-Za-z0-9_\-]*)\.(?P<port>[A-Za-z_][A-Za-z0-9_]*)$")
 
 Precision = Literal["bf16", "fp8"]
+# What runs a generator role: graphrl's own KV-cache sampler, or a vLLM engine in the rank's process.
+Engine = Literal["native", "vllm"]
 PRECISION_BYTES: dict[str, int] = {"bf16": 2, "fp8": 1}
 """Bytes per weight of the block linears a role stores at each precision."""
 Sharding = Literal["none", "zero1", "zero2", "fsdp"]
@@ -262,6 +264,11 @@ class RoleHint(Frozen):
     )
     precision: Precision | None = Field(default=None, description="Generator weight precision.")
     offload: Boolean | None = Field(default=None, description="Allow offloading this role's state to host memory.")
+    engine: Engine | None = Field(
+        default=None,
+        description="Generation engine of a generation copy: 'native' (graphrl's sampler; unset means native) or "
+                    "'vllm' (a vLLM engine per generator replica; needs the vllm package).",
+    )
 
     @field_validator("devices")
     @classmethod

@@ -16,7 +16,7 @@ from graphrl.schemas.base import Frozen
 from graphrl.schemas.capabilities import plan_refusals
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import JobSpec, NodeSpec, Precision, Sharding
+from graphrl.schemas.job import Engine, JobSpec, NodeSpec, Precision, Sharding
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.program import Programs, programs_json_schema
 
@@ -80,6 +80,7 @@ class RolePlacement(Frozen):
     pp: int = Field(default=1, gt=0, description="Pipeline-parallel size.")
     sharding: Sharding = Field(default="none", description="Training-state sharding over the data-parallel axis.")
     precision: Precision = Field(default="bf16", description="Weight precision used for compute.")
+    engine: Engine = Field(default="native", description="What runs a generation role: graphrl's sampler or vLLM.")
     offload: list[Literal["params", "grads", "optimizer"]] = Field(
         default_factory=list, description="State moved to host memory while the role is idle."
     )

@@ -1,0 +1,167 @@
+"""A vLLM engine as a generator replica: started in the rank's own process, fed the role's weights.
+
+Imported only when a plan places a generator on `engine: vllm`. One engine per generator replica
+(tensor_parallel_size 1), run in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and eager
+(`enforce_eager=True`), with the KV-cache bytes the plan charged (raised to what one full-length
+sequence needs) instead of vLLM's default share of the device, and on CPU its OpenMP threads bound to
+the rank's own cores.
+
+Weights: at start the engine loads an HF folder written from the role's module (which holds the job's
+checkpoint, a GGUF file already converted by graphrl's loader, or the preset's seeded initialisation),
+so the engine samples from exactly the weights the native sampler would. After every update the role's
+module (the staging tensors the DDMA rounds or the in-place reshard filled, with the checkpoint's
+names) is reloaded into the running engine with `model_runner.reload_weights(weights_iterator=...,
+is_checkpoint_format=True)`: every tensor at once, so fused projections (q/k/v, gate/up) get all their
+parts together; then the prefix cache is reset, since cached blocks hold keys of the old weights. No
+files, no restart. On the CPU backend `model.load_weights` cannot be used (linear weights are repacked
+for oneDNN); the in-place reload handles that.
+
+Sampling follows the native sampler (see `executors/engines/__init__.py`): per-request seeds from
+(seed, step, response index), temperature, top_p, max_new_tokens, the job's stop tokens (and nothing
+else: the model's own EOS is ignored unless it is one of them), behaviour log-probs of the sampled
+token from `SamplingParams(logprobs=0)` in vLLM's `processed_logprobs` mode: of the sampling distribution,
+logits / T (with top_p < 1 vLLM also renormalizes over the nucleus, where graphrl's convention ignores
+top-p; the mismatch metrics show that difference).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from graphrl.errors import RunError
+from graphrl.schemas.job import Engine
+from graphrl.schemas.plan import RolePlacement
+
+from graphrl.executors.engines import EngineContext, GenerationRequest, pad_piece, rank_cores, response_seed
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# vLLM needs room for at least one sequence of the model's length; blocks round it up.
+_KV_MARGIN_TOKENS = 256
+
+
+def kv_cache_bytes(module: nn.Module, dtype: torch.dtype, max_model_len: int, planned_bytes: float) -> int:
+    """The engine's KV-cache bytes: what the plan charged, at least what one full-length sequence needs."""
+    dims = module.dims  # type: ignore[attr-defined]
+    head_dim = dims.hidden_size // dims.num_heads
+    per_token = 2 * dims.num_layers * dims.num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return int(max(planned_bytes, per_token * (max_model_len + _KV_MARGIN_TOKENS)))
+
+
+def _reload(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
+    """Run on the engine's worker: reload every named tensor in place."""
+    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+
+class VllmEngine:
+    """One vLLM `LLM` in this process, sampling token ids (no tokenizer: prompts arrive tokenized)."""
+
+    name: Engine = "vllm"
+
+    def __init__(self, llm: Any, module: nn.Module, role: str, rank: int) -> None:
+        self.llm = llm
+        self.module = module
+        self.role = role
+        self.rank = rank
+        self.last_sync_s = 0.0
+
+    @classmethod
+    def start(cls, placement: RolePlacement, module: nn.Module, dtype: torch.dtype,
+              context: EngineContext) -> "VllmEngine":
+        """Start the engine on the weights `module` holds now; a failure names the role, rank and cause."""
+        if placement.tp != 1:
+            raise RunError(f"rank {context.rank}: role {placement.role} runs on vLLM with tp={placement.tp}; "
+                           "this executor runs vLLM engines with one rank per replica", fix="pin tp: 1 for this role")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if context.device.type == "cpu":
+            cores = rank_cores(context.rank, context.threads)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise RunError(f"rank {context.rank}: role {placement.role} runs on vLLM, which cannot be imported ({exc})",
+                           fix="install vllm in the environment that runs the ranks, or use engine: native") from None
+        kv_bytes = kv_cache_bytes(module, dtype, context.max_model_len, placement.memory_bytes.kv_cache)
+        folder = Path(tempfile.mkdtemp(prefix=f"graphrl-vllm-rank{context.rank}-"))
+        try:
+            from graphrl.executors.models.llama import save_hf_checkpoint
+
+            save_hf_checkpoint(module, module.dims, folder)  # type: ignore[arg-type]
+            llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=_DTYPE_NAMES[dtype],
+                      tensor_parallel_size=1, kv_cache_memory_bytes=kv_bytes, max_model_len=context.max_model_len,
+                      seed=context.seed, disable_log_stats=True, logprobs_mode="processed_logprobs")
+        except RunError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - vLLM fails in many ways at start; each is reported the same way
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise RunError(f"rank {context.rank}: the vLLM engine of role {placement.role} failed to start "
+                           f"({type(exc).__name__}: {reason})",
+                           fix=f"check that the model's architecture is one vLLM runs and that {kv_bytes / 2**20:.0f} "
+                               "MiB of KV cache fit next to the weights; or use engine: native") from None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return cls(llm, module, placement.role, context.rank)
+
+    def generate(self, request: GenerationRequest) -> dict[str, Tensor]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        n = request.prompt_ids.shape[0]
+        ids, mask = request.prompt_ids.cpu(), request.prompt_mask.cpu().bool()
+        prompts = [TokensPrompt(prompt_token_ids=ids[i][mask[i]].tolist()) for i in range(n)]
+        params = [SamplingParams(n=1, temperature=request.temperature, top_p=request.top_p,
+                                 max_tokens=request.max_new_tokens, seed=response_seed(request.seed, request.step,
+                                                                                       request.start + i),
+                                 logprobs=0, stop_token_ids=list(request.stop_ids), ignore_eos=True, detokenize=False)
+                  for i in range(n)]
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 - an engine that dies mid-run ends the rank with its cause
+            raise RunError(f"rank {self.rank}: the vLLM engine of role {self.role} failed while generating step "
+                           f"{request.step} ({type(exc).__name__}: {str(exc)[:300]})",
+                           fix="the last checkpoint is intact: resume from it, or use engine: native") from None
+        length = request.max_new_tokens
+        response_ids = torch.full((n, length), request.pad_id, dtype=torch.int64)
+        response_mask = torch.zeros(n, length, dtype=torch.bool)
+        logprobs = torch.zeros(n, length, dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)[:length]
+            response_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            response_mask[i, :len(tokens)] = True
+            logprobs[i, :len(tokens)] = torch.tensor([step[tok].logprob for tok, step in zip(tokens, completion.logprobs)],
+                                                     dtype=torch.float32)
+        device = request.prompt_ids.device
+        return pad_piece(request, response_ids.to(device), response_mask.to(device), logprobs.to(device))
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> float:
+        """Reload named full tensors (checkpoint names) into the running engine; seconds it took."""
+        started = time.perf_counter()
+        named = [(name, t.detach()) for name, t in weights]
+        try:
+            self.llm.collective_rpc(_reload, args=(named,))
+            self.llm.reset_prefix_cache()
+        except Exception as exc:  # noqa: BLE001
+            raise RunError(f"rank {self.rank}: reloading weights into the vLLM engine of role {self.role} failed "
+                           f"({type(exc).__name__}: {str(exc)[:300]})",
+                           fix="check that the trainer's parameter names are the checkpoint's") from None
+        self.last_sync_s = time.perf_counter() - started
+        return self.last_sync_s
+
+    def weights_updated(self) -> None:
+        """Reload the role's module (the staging tensors the sync filled) into the engine."""
+        self.load_weights(self.module.state_dict().items())
+
+    def close(self) -> None:
+        """Drop the engine (in process: its memory goes with the last reference)."""
+        self.llm = None
+
+
+__all__ = ["VllmEngine", "kv_cache_bytes"]

