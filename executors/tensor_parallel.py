@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.schemas.sharding import Region, chunk_bounds, llama_params, tp_region, tp_split_problem
+from graphrl.schemas.sharding import Region, chunk_bounds, llama_params, tp_region
 from graphrl.errors import RunError
 from graphrl.schemas.model import ModelDims
 
@@ -111,8 +111,12 @@ class TensorParallelLlama(Llama):
                  dtype: torch.dtype) -> None:
         t, r = tp.size, tp.rank
         kv = dims.num_kv_heads
-        if (why := tp_split_problem(dims, t, "generate")) is not None:
-            raise RunError(f"a generator cannot be split {t} ways: {why}", fix="pin a tp that divides the heads")
+        # Heads are whole on every rank; the vocabulary and the feed-forward width may split unevenly
+        # (torch.chunk), so this generator is looser than the compiler's `tp_split_problem`, which offers
+        # only even splits.
+        if dims.num_heads % t or (kv % t and t % kv):
+            raise RunError(f"tp={t} does not divide the {dims.num_heads} attention heads, or neither divides "
+                           f"the other with the {kv} KV heads", fix="pin a tp that divides the heads")
         self.kv_replicas = max(t // kv, 1)  # ranks that hold each KV head
         if (dims.head_dim * kv) % t:
             raise RunError(f"tp={t} cuts the {kv} KV heads of head_dim {dims.head_dim} inside a row block of "
