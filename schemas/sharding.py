@@ -373,8 +373,8 @@ def fsdp_shard_dim(name: str, shape: Sequence[int], fsdp: int, tp: int) -> int:
     Everything else, and every uneven split (FSDP2 takes dim > 0 only when even), is cut along dim 0.
     With tp, the tp axis already cuts dim 1 and fsdp nests on dim 0, as torch's 2-D FSDP does.
     """
-    _, kind = _module_and_kind(name)
-    row_weight = _TP_STYLE.get(_module_and_kind(name)[0]) is TpStyle.ROWWISE and kind == "weight" and len(shape) == 2
+    module, kind = _module_and_kind(name)
+    row_weight = _TP_STYLE.get(module) is TpStyle.ROWWISE and kind == "weight" and len(shape) == 2
     return 1 if row_weight and tp == 1 and fsdp > 1 and shape[1] % fsdp == 0 else 0
 
 
