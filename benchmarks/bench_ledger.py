@@ -108,6 +108,7 @@ def measure(args: argparse.Namespace, scratch: Path, base: Path, site: Path) -> 
         for kind in kinds:
             for side, tree, path in (("base", base, site), ("new", ROOT, None)):
                 out = scratch / f"{side}-{kind}-{round_}"
+                shutil.rmtree(out, ignore_errors=True)  # a run refuses a folder an earlier invocation left
                 results.setdefault((side, kind), []).append(run_once(tree, path, kind, args.ranks, args.steps, out))
     print(f"grpo_tiny colocated on {args.ranks} CPU ranks, {args.steps} steps, best of {args.rounds} rounds; "
           f"base {args.base}")
