@@ -252,6 +252,14 @@ _NAMES: dict[type, tuple[str, ...]] = {t: tuple(f.name for f in fields(t)) for t
 """Each kind's field names, in order (the order of its values on disk)."""
 
 
+Phase = Literal["generate", "logprob", "reward", "advantage", "train", "weight_sync", "transfer", "offload",
+                "checkpoint", "other"]
+PHASES: tuple[str, ...] = get_args(Phase)
+"""The phases of an RL step, in the order the preview and the report list them (logprob: every forward
+pass of a frozen model or a critic's values; transfer: rollouts between meshes; offload: moving idle state
+off the device and back)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KindTraits:
     """What an instruction kind does that every reader of a program must agree on: the executors, the
@@ -267,23 +275,26 @@ class KindTraits:
     """-1 moves state off the device, +1 back onto it (a loop body's moves must cancel)."""
     rollout: bool = False
     """Makes or moves a step's rollouts (a resumed run skips those the checkpoint holds)."""
+    phase: Phase = "other"
+    """The phase of an RL step its time counts to, in the preview, the simulator's breakdown and the run
+    report (predicted against measured)."""
 
 
 TRAITS: dict[type, KindTraits] = {
-    Generate: KindTraits(weights="uses", rollout=True),
-    Logprob: KindTraits(),
-    Value: KindTraits(),
-    Reward: KindTraits(),
-    Advantage: KindTraits(),
-    TrainStep: KindTraits(weights="produces"),
-    Send: KindTraits(p2p="send", rollout=True),
-    Recv: KindTraits(p2p="recv", rollout=True),
-    Offload: KindTraits(moves=-1),
-    Onload: KindTraits(moves=1),
-    WeightSync: KindTraits(weights="sets"),
-    ReshardInPlace: KindTraits(weights="sets"),
-    ReleaseWeights: KindTraits(),
-    Checkpoint: KindTraits(),
+    Generate: KindTraits(weights="uses", rollout=True, phase="generate"),
+    Logprob: KindTraits(phase="logprob"),
+    Value: KindTraits(phase="logprob"),
+    Reward: KindTraits(phase="reward"),
+    Advantage: KindTraits(phase="advantage"),
+    TrainStep: KindTraits(weights="produces", phase="train"),
+    Send: KindTraits(p2p="send", rollout=True, phase="transfer"),
+    Recv: KindTraits(p2p="recv", rollout=True, phase="transfer"),
+    Offload: KindTraits(moves=-1, phase="offload"),
+    Onload: KindTraits(moves=1, phase="offload"),
+    WeightSync: KindTraits(weights="sets", phase="weight_sync"),
+    ReshardInPlace: KindTraits(weights="sets", phase="weight_sync"),
+    ReleaseWeights: KindTraits(phase="offload"),
+    Checkpoint: KindTraits(phase="checkpoint"),
 }
 """Instruction kind -> its traits; one entry per kind (checked below)."""
 assert set(TRAITS) == set(INSTRUCTION_TYPES.values()), "every instruction kind needs its traits"
