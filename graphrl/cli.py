@@ -15,6 +15,7 @@ import json
 import runpy
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ import click
 from pydantic import ValidationError
 
 from graphrl import __version__
-from graphrl.errors import GraphRLError, InternalError, JobError, Location, RunError, format_path
+from graphrl.errors import GraphRLError, GraphRLWarning, InternalError, JobError, Location, RunError, format_path
 from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob, Override, SourceMap, apply_overrides, job_cluster, load_job, parse_override
 from graphrl.schemas.cluster import ClusterSpec
@@ -37,7 +38,9 @@ class GraphRLGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         debug = bool(ctx.params.get("debug")) or "--debug" in sys.argv
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings():
+                show_graphrl_warnings()
+                return super().invoke(ctx)
         except GraphRLError as exc:
             if debug:
                 traceback.print_exc()
@@ -48,6 +51,25 @@ class GraphRLGroup(click.Group):
                 traceback.print_exc()
             click.echo(f"internal error (a bug in graphrl; please report it): {exc}", err=True)
             ctx.exit(1)
+
+
+def show_graphrl_warnings() -> None:
+    """Print each of our warnings (`GraphRLWarning`) once, on one line of stderr as `warning: message`,
+    however often the command meets it (a job compiled twice reads its calibration file twice); other
+    warnings keep Python's display. Call inside `warnings.catch_warnings()`, which undoes it."""
+    shown: set[str] = set()
+    python_show = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if not issubclass(category, GraphRLWarning):
+            python_show(message, category, filename, lineno, file, line)
+        elif str(message) not in shown:
+            shown.add(str(message))
+            click.echo(f"warning: {message}", err=True)
+
+    warnings.simplefilter("always", GraphRLWarning)  # the once-only rule is ours, by message, above
+    warnings.showwarning = show
 
 
 def _script_location(script: Path, exc: BaseException) -> Location:

@@ -115,3 +115,13 @@ class DataError(GraphRLError):
 
 class InternalError(Exception):
     """A bug in graphrl: an invariant of ours was broken. Not the user's fault."""
+
+
+class GraphRLWarning(UserWarning):
+    """Something graphrl ignored and went on without (a setting that does not apply, a file it cannot
+    trust). The CLI prints each one once on stderr as `warning: message`."""
+
+
+class CalibrationWarning(GraphRLWarning):
+    """A calibration file was ignored (unreadable, of another format version or from another machine);
+    the hardware preset's defaults are used instead."""

@@ -45,6 +45,31 @@ class CollectiveFit(Frozen):
     latency_s: Real = Field(ge=0, description="Ring-model latency per step that fits the measurement, seconds.")
 
 
+CALIBRATION_FORMAT = 1
+"""The version of a calibration file's content (`graphrl calibrate`): a file of another version is ignored,
+with a warning, since its figures may mean something else or miss ones the cost model now reads."""
+
+
+class MachineId(Frozen):
+    """The machine a calibration file was measured on, so that a file copied to another machine (or left
+    behind after a move to new hardware) is not taken for this one's figures."""
+
+    cpu_model: str = Field(description="The CPU's model name, as /proc/cpuinfo's `model name` (or "
+                                       "platform.processor()) gives it; empty where neither says.")
+    logical_cores: Integer = Field(ge=1, description="Logical cores (hardware threads) the OS reports.")
+    threads: Integer | None = Field(
+        default=None, ge=1,
+        description="torch threads per rank the figures were measured with; not part of the machine's identity "
+                    "(two descriptions of one machine with other thread counts are the same machine).")
+
+    def same_machine(self, other: "MachineId") -> bool:
+        """The same CPU model and core count; the thread count is a setting, not the machine."""
+        return (self.cpu_model, self.logical_cores) == (other.cpu_model, other.logical_cores)
+
+    def describe(self) -> str:
+        return f"{self.cpu_model or 'an unnamed CPU'} with {self.logical_cores} logical cores"
+
+
 class HardwareSpec(Frozen):
     """One kind of device and the links between devices."""
 
@@ -115,6 +140,16 @@ class HardwareSpec(Frozen):
     )
     reserved_memory_fraction: Real = Field(
         default=0.1, ge=0, lt=1, description="Device memory kept free for the allocator, workspace and fragmentation."
+    )
+    machine: MachineId | None = Field(
+        default=None,
+        description="The machine a calibration file was measured on (`graphrl calibrate`); None for a datasheet "
+                    "preset or a description written by hand.",
+    )
+    calibration_format: Integer | None = Field(
+        default=None,
+        description="The calibration file format version (`graphrl calibrate` writes the current one); None for "
+                    "a preset or a description written by hand.",
     )
 
     @property
