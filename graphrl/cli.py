@@ -484,6 +484,7 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         settings = ProfileSettings(profile, memory=profile_memory)
     click.echo(f"running {loaded.spec.name}: {plan.chosen.label} [{plan.chosen.estimate.mode}] on "
                f"{plan.cluster.num_devices} ranks, {total} steps -> {out_dir}", err=True)
+    click.echo(_predicted_line(plan), err=True)
     last: dict[str, Any] = {}
     if quiet:
         outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from,
@@ -507,8 +508,39 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
     summary = ", ".join(f"{k} {last[k]:.4g}" for k in ("reward_mean", "loss") if k in last)
     click.echo(f"done: {outcome.steps_done} steps in {outcome.wall_s:.1f} s ({summary}); metrics in {out_dir / 'metrics.jsonl'}, "
                f"timeline in {out_dir / 'timeline.json'}")
+    measured = _measured_line(plan, out_dir / "metrics.jsonl", start_step) if outcome.steps_done else None
+    if measured is not None:
+        click.echo(measured)
     if profile is not None:
         click.echo(f"profiles in {profile}: tensorboard --logdir {profile}")
+
+
+RUN_WARMUP_STEPS = 1  # as `graphrl report`'s default: the first step of a run also builds models and warms up
+
+
+def _predicted_line(plan) -> str:  # noqa: ANN001
+    """What the plan says one step costs, said before the run so the measurement can be held against it."""
+    estimate = plan.chosen.estimate
+    how = "simulated steady state" if estimate.method == "simulated" else "analytical estimate"
+    return f"predicted {estimate.step_time_s:.3g} s/step ({how}, hardware {plan.hardware.name})"
+
+
+def _measured_line(plan, metrics_path: Path, start_step: int) -> str | None:  # noqa: ANN001
+    """The median seconds per step this run measured (its own steps, after warm-up) with the prediction's
+    error; None, with a warning, where its metrics cannot be read."""
+    from graphrl.report import error_pct, median_step_time, read_metrics
+
+    try:
+        rows, _ = read_metrics(metrics_path)
+    except RunError as exc:
+        click.echo(f"warning: no measured step time: {exc.render()}", err=True)
+        return None
+    seconds, steps = median_step_time([r for r in rows if r["step"] >= start_step], RUN_WARMUP_STEPS)
+    if seconds is None:
+        return None
+    over = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    error = error_pct(plan.chosen.estimate.step_time_s, seconds)
+    return f"measured {seconds:.3g} s/step over {over}" + (f" (prediction {error:+.0f}%)" if error is not None else "")
 
 
 def _resume_hint(job: str, out_dir: Path) -> str:

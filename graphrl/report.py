@@ -24,6 +24,7 @@ import io
 import json
 import math
 import re
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,17 @@ def error_pct(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or measured is None or measured <= 0:
         return None
     return 100.0 * (predicted - measured) / measured
+
+
+def median_step_time(metrics: list[dict[str, Any]], warmup_steps: int = 1) -> tuple[float | None, list[int]]:
+    """The median `step_time_s` of the metrics rows after the first `warmup_steps` (of all rows when no later
+    one exists), and the steps it is taken over. A median, so that one slow step (a checkpoint, another
+    process on the machine) does not move a short run's figure."""
+    kept = metrics[warmup_steps:] if len(metrics) > warmup_steps else metrics
+    timed = [(row["step"], value) for row in kept if (value := _number(row, "step_time_s")) is not None]
+    if not timed:
+        return None, []
+    return statistics.median(value for _, value in timed), [step for step, _ in timed]
 
 
 def _mean(values: Iterable[float]) -> float | None:
