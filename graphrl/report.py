@@ -9,6 +9,8 @@ instruction spans). The report reads the three, simulates the plan's programs (t
 - seconds per step, predicted (`plan.chosen.estimate.step_time_s`) against measured (metrics), with the error;
 - seconds per step spent in each instruction kind, on a rank that runs it: simulated spans against
   measured spans (timeline.json only);
+- the same per phase of an RL step (`PHASES`: generate, logprob, ... ; a kind's phase is its
+  `TRAITS[...].phase`), each phase the sum of its kinds' rows;
 - each rank's busy fraction, measured (timeline.json) and simulated.
 
 The first `warmup_steps` steps (model set-up, allocator and kernel warm-up) are left out of every average
@@ -39,6 +41,7 @@ from rich.text import Text
 from graphrl.compiler.preview import human_seconds
 from graphrl.errors import Location, RunError
 from graphrl.schemas.plan import Plan
+from graphrl.schemas.program import INSTRUCTION_TYPES, PHASES, TRAITS
 
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.msgpack"
@@ -53,6 +56,12 @@ NUMERIC_KEYS = ("reward_mean", "loss", "kl", "step_time_s", "tokens_per_s", "wei
 # The simulator closes a Send/Recv rendezvous on both ranks with the instruction that completed it, so
 # its Send and Recv spans are not told apart per rank; both sides are compared as one kind.
 KIND_ALIASES = {"Send": "Send/Recv", "Recv": "Send/Recv"}
+
+# Each kind the report names (an instruction type, or an alias above) -> the phase of an RL step it counts to.
+PHASE_OF_KIND: dict[str, str] = {name: TRAITS[cls].phase for name, cls in INSTRUCTION_TYPES.items()}
+PHASE_OF_KIND.update({alias: PHASE_OF_KIND[name] for name, alias in KIND_ALIASES.items()})
+assert all(PHASE_OF_KIND[alias] == PHASE_OF_KIND[name] for name, alias in KIND_ALIASES.items()), \
+    "the kinds one row joins count to one phase"
 
 # Past this error the page marks a prediction in red.
 ERROR_PCT_FLAG = 25.0
@@ -230,6 +239,30 @@ def seconds_per_kind(spans: list[TimedSpan], num_steps: int) -> dict[str, float]
     return {kind: sum(ranks.values()) / len(ranks) / steps for kind, ranks in per_rank.items()}
 
 
+def phase_of(kind: str) -> str:
+    """The phase of an RL step a span's kind counts to (`TRAITS[...].phase`); "other" for a name that is no
+    instruction kind (a span a rank records around something else)."""
+    return PHASE_OF_KIND.get(kind, "other")
+
+
+def seconds_per_phase(kind_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per phase, in `PHASES` order: the sums of its kinds' predicted and measured seconds per step (None
+    where none of its kinds has that side), the error, and the kinds summed. Phases with neither are left
+    out."""
+    rows = []
+    for phase in PHASES:
+        mine = [r for r in kind_rows if phase_of(r["kind"]) == phase]
+        sums = {}
+        for side in ("predicted_s", "measured_s"):
+            values = [r[side] for r in mine if r[side] is not None]
+            sums[side] = sum(values) if values else None
+        if sums["predicted_s"] is None and sums["measured_s"] is None:
+            continue
+        rows.append({"phase": phase, **sums, "error_pct": error_pct(sums["predicted_s"], sums["measured_s"]),
+                     "kinds": sorted(r["kind"] for r in mine)})
+    return rows
+
+
 def busy_fractions(spans: list[TimedSpan], num_ranks: int) -> list[float]:
     """Each rank's share of the window from the first span's start to the last span's end (any rank)
     that it spends inside some span (overlapping spans count once)."""
@@ -358,6 +391,7 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
     kind_rows = sorted(kinds.values(), key=lambda r: -max(r["predicted_s"] or 0.0, r["measured_s"] or 0.0))
     for r in kind_rows:
         r["error_pct"] = error_pct(r["predicted_s"], r["measured_s"])
+    phase_rows = seconds_per_phase(kind_rows)
 
     # Busy fraction per rank.
     num_ranks = (plan.programs.num_ranks if plan is not None and plan.programs is not None
@@ -406,6 +440,7 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
         "step_times": step_rows,
         "kinds": {"rows": kind_rows, "measured": measured is not None, "predicted": predicted is not None,
                   "steps_averaged": {k: len(steps) for k, (_, steps) in steady_of.items()}},
+        "phases": {"rows": phase_rows},
         "busy": {"source": "measured" if measured is not None else "simulated" if predicted is not None else None,
                  "ranks": busy_rows, "meshes": busy_meshes},
         "notes": notes,
@@ -528,6 +563,15 @@ def _text_parts(d: dict[str, Any]) -> list[Any]:
         for row in kinds["rows"]:
             table.add_row(row["kind"], fmt_seconds(row["predicted_s"]), fmt_seconds(row["measured_s"]),
                           fmt_pct(row["error_pct"], signed=True))
+        parts.append(table)
+    if d["phases"]["rows"]:
+        parts.append(Text("\ntime per phase of a step: the sum of its instruction kinds' rows above"))
+        table = _table("time per phase")
+        for col in ("phase", "predicted", "measured", "error", "kinds"):
+            table.add_column(col, justify="left" if col in ("phase", "kinds") else "right")
+        for row in d["phases"]["rows"]:
+            table.add_row(row["phase"], fmt_seconds(row["predicted_s"]), fmt_seconds(row["measured_s"]),
+                          fmt_pct(row["error_pct"], signed=True), ", ".join(row["kinds"]))
         parts.append(table)
 
     busy = d["busy"]

@@ -13,12 +13,13 @@ import pytest
 from graphrl.compiler.preview import human_seconds
 from graphrl.errors import PlanFileError, RunError
 from graphrl.plan_io import save_plan
-from graphrl.schemas.program import CostKey
+from graphrl.schemas.program import INSTRUCTION_TYPES, PHASES, TRAITS, CostKey
 from graphrl.report import (
     TimedSpan,
     attribute_steps,
     build_report,
     busy_fractions,
+    error_pct,
     log_ticks,
     nice_ticks,
     seconds_per_kind,
@@ -160,6 +161,59 @@ def test_time_per_kind_measured_from_the_timeline(full_report, plan):
     assert human_seconds(GENERATE_US / 1e6) in cells and human_seconds(expected["Generate"]) in cells
     assert human_seconds(TRAIN_US / 1e6) in _table_row(html, "TrainStep")
     assert "No measured time per instruction kind" not in html
+
+
+OTHER_US = 4_000  # a span that is no instruction kind (rank 0, every step)
+
+
+def _phase(kind: str) -> str:
+    """The phase of a report row's kind, from the instruction table (Send/Recv is the report's joint row)."""
+    name = "Send" if kind == "Send/Recv" else kind
+    return TRAITS[INSTRUCTION_TYPES[name]].phase if name in INSTRUCTION_TYPES else "other"
+
+
+def test_time_per_phase_is_the_sum_of_its_kinds(plan, tmp_path):
+    """Each phase's predicted and measured seconds are the sums of its kinds' rows, listed in PHASES order;
+    a span that is no instruction kind counts to "other", and a phase with no kind on either side is left
+    out. A kind mapped to the wrong phase, or a side summed from the other side's rows, fails here."""
+    trace = timeline()
+    for step in range(4):
+        trace["traceEvents"].append({"ph": "X", "name": f"EnvReset step={step}", "cat": "EnvReset", "pid": 0,
+                                     "tid": 1, "ts": step * 1e6 + 500, "dur": OTHER_US})
+    report = build_report(make_run(tmp_path / "run", plan, trace=trace))
+    kind_rows = report.data["kinds"]["rows"]
+    phases = report.data["phases"]["rows"]
+
+    expected: dict[str, dict[str, float | None]] = {}
+    for row in kind_rows:
+        sums = expected.setdefault(_phase(row["kind"]), {"predicted_s": None, "measured_s": None})
+        for side in ("predicted_s", "measured_s"):
+            if row[side] is not None:
+                sums[side] = (sums[side] or 0.0) + row[side]
+    assert [r["phase"] for r in phases] == [p for p in PHASES if p in expected]
+    for row in phases:
+        for side in ("predicted_s", "measured_s"):
+            assert row[side] == pytest.approx(expected[row["phase"]][side]), (row["phase"], side)
+        assert row["error_pct"] == pytest.approx(error_pct(row["predicted_s"], row["measured_s"]))
+    by_phase = {r["phase"]: r for r in phases}
+    assert by_phase["transfer"]["kinds"] == ["Send/Recv"]
+    assert by_phase["transfer"]["measured_s"] == pytest.approx(TRAIN_US / 1e6)
+    assert by_phase["other"] == {"phase": "other", "predicted_s": None, "measured_s": pytest.approx(OTHER_US / 1e6),
+                                 "error_pct": None, "kinds": ["EnvReset"]}
+    assert by_phase["generate"]["measured_s"] == pytest.approx(GENERATE_US / 1e6)
+    assert by_phase["train"]["measured_s"] == pytest.approx(TRAIN_US / 1e6)
+    assert "logprob" not in by_phase  # grpo_tiny computes no separate log-probs
+
+    json.dumps(report.data)  # the JSON form carries the table as it is
+    html = report.render_html()
+    assert "<h2>Time per phase</h2>" in html
+    cells = _table_row(html, "generate")
+    assert human_seconds(GENERATE_US / 1e6) in cells
+    assert human_seconds(by_phase["generate"]["predicted_s"]) in cells
+    text = report.render_text(width=120)
+    assert re.search(r"phase\s+predicted\s+measured\s+error\s+kinds", text)
+    assert re.search(r"transfer\s+-\s+50\.00 ms\s+-\s+Send/Recv", text)  # colocated: the plan sends nothing
+    assert re.search(r"other\s+-\s+4\.00 ms\s+-\s+EnvReset", text)
 
 
 def test_busy_fraction_is_measured_when_the_timeline_exists(full_report):
