@@ -18,7 +18,7 @@ from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
 from graphrl.schemas.mesh import Mesh
 
-from graphrl.compiler import cost
+from graphrl.compiler import cost, timing
 from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 
@@ -153,7 +153,7 @@ class Problem:
         return JobShape(self.roles, self.workload, self.num_devices, self.per_node, self.hw)
 
     def spans(self, first: int, n: int) -> bool:
-        return cost.group_spans_nodes(range(first, first + n), self.per_node)
+        return timing.group_spans_nodes(range(first, first + n), self.per_node)
 
     def tp_group_spans(self, tp: int) -> bool:
         return tp > self.per_node
@@ -251,6 +251,8 @@ def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec, target
     roles = derive_roles(graph)
     if not any(r.kind == "train" for r in roles):
         raise PlacementError("the job trains no model", path=("nodes",), fix="add a train node")
+    # The calibrated figures of this job's ranks: their threads, the trained models' width.
+    hw = hw.for_rank(graph.job.run.threads_per_rank, max(r.dims.hidden_size for r in roles if r.kind == "train"))
     p = Problem(tuple(roles), derive_workload(graph), cluster, hw, graph.job.placement, graph.job.schedule.mode,
                 target)
     check_pins(p)

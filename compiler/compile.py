@@ -55,8 +55,8 @@ def compile_graph(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, 
     """The pipeline's final state, with every pass's result (placement, programs ...). `steps` sets
     `schedule.steps`; `target` 'run' keeps the search and the pin checks to what the executors run;
     `progress` hears the name of each pass as it starts."""
-    hardware = resolve_hardware(cluster)
     spec = with_steps(job.spec, steps)
+    hardware = resolve_hardware(cluster)
     ctx = CompileContext(spec, cluster, hardware, dict(options), target)
     on_start = (lambda p: progress(p.name)) if progress is not None else None
     try:

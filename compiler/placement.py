@@ -31,13 +31,14 @@ import math
 from dataclasses import dataclass
 
 from graphrl.errors import PlacementError
+from graphrl.ddma import DDMA_BUCKET_BYTES
 from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.program import CostKey
 from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 
-from graphrl.compiler import cost
+from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, Strategy, TrainCfg, gen_cfgs, splits,
                                          train_cfgs)
 from graphrl.compiler.memory import (MeshMemory, gen_per_sequence, gen_weights, infer_state, resident_while_generating,
@@ -63,9 +64,9 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
     share = math.ceil(w.responses / gen.dp)
     waves = math.ceil(share / concurrent)
     batch = math.ceil(share / waves)
-    t = waves * cost.generation_time(role.dims, batch, w.prompt_len, w.response_len, gen.tp,
-                                     gen.precision, p.hw, intra_node=not p.tp_group_spans(gen.tp))  # type: ignore[arg-type]
-    t *= cost.engine_time_factor(p.hw, p.hint(role.name).engine or "native")
+    t = waves * timing.generation_time(role.dims, batch, w.prompt_len, w.response_len, gen.tp, gen.precision,  # type: ignore[arg-type]
+                                       p.hw, intra_node=not p.tp_group_spans(gen.tp), dtype_bytes=role.weight_bytes)
+    t *= timing.engine_time_factor(p.hw, p.hint(role.name).engine or "native")
     return t + p.hw.op_overhead_s, min(concurrent, share)
 
 
@@ -78,8 +79,10 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
     (e.g. TrainStep of policy, Forward of reference); the instruction durations the simulator uses."""
     w = p.workload
     spans_dp = p.spans(cfg.first, cfg.n) if cfg.dp * cfg.fsdp > 1 else False
+    # Log-prob, value and training passes run the head on the response positions only.
     common = dict(seq_len=w.seq_len, hw=p.hw, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
-                  intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp)
+                  intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp,
+                  head_rows=w.responses * w.response_len)
     # Micro-batches per data-parallel rank: the job's micro-batch size splits the local share (one
     # micro-batch when unset); pipelines need at least pp of them in flight.
     local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
@@ -87,18 +90,20 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
     common["microbatches"] = max(micro, 4 * cfg.pp) if cfg.pp > 1 else micro
     out: dict[CostKey, float] = {}
     for role in p.roles_of("infer", "train"):
-        forward = cost.forward_time(role.dims, tokens=w.tokens, **common).total_s + p.hw.op_overhead_s
+        forward = timing.forward_time(role.dims, tokens=w.tokens, dtype_bytes=role.weight_bytes,
+                                      **common).total_s + p.hw.op_overhead_s
         if role.kind == "infer":
             out[CostKey("Forward", role.name)] = forward
             continue
-        step = cost.training_step_time(
+        step = timing.training_step_time(
             role.dims, tokens=w.tokens, seq_len=w.seq_len, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
             sharding=cfg.sharding, recompute=cfg.recompute, hw=p.hw,  # type: ignore[arg-type]
             intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp, microbatches=common["microbatches"],
+            dtype_bytes=role.weight_bytes, head_rows=common["head_rows"],
         )
         out[CostKey("TrainStep", role.name)] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
         if role is p.policy:  # the step's metrics (reward, loss, ...) are all-reduced over the trainer ranks
-            out[CostKey("TrainStep", role.name)] += cost.collective_time(
+            out[CostKey("TrainStep", role.name)] += timing.collective_time(
                 "all_reduce", METRICS_BYTES, cfg.n, p.hw, p.spans(cfg.first, cfg.n))
         # Critics (and any train role besides the policy) also run a forward for their values.
         if role is not p.policy:
@@ -126,22 +131,23 @@ def trainer_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
     return {
         "infer": sum(v for k, v in per_role.items() if k.kind == "Forward"),
         "train": sum(v for k, v in per_role.items() if k.kind == "TrainStep"),
-        "offload": 2 * cost.offload_time(offload_bytes(p, cfg), p.hw),
+        "offload": 2 * timing.offload_time(offload_bytes(p, cfg), p.hw),
     }
 
 
 def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
     """(seconds, bytes on links) for DDMA: every generator replica receives the full bf16 weights,
-    split over its tp ranks; all trainer ranks send in parallel. The slower of the receive side (one
-    generator rank's share) and the send side (all bytes over all trainer ranks) bounds the time."""
+    split over its tp ranks; all trainer ranks send in parallel. The busier of the receive side (one
+    generator rank's share) and the send side (all bytes over all trainer ranks) moves its bytes in
+    rounds of at most one DDMA bucket, timed as the weight-sync pass times the planned rounds
+    (`timing.weight_copy_seconds`)."""
     role = p.policy
     weights = cost.weight_bytes(role.dims, cost.BF16_BYTES)
     total = weights * gen.dp
     spans = p.spans(min(train.first, gen.first), train.n + gen.n)
-    bw = (p.hw.inter_node_bandwidth if spans else p.hw.intra_node_bandwidth) * p.hw.link_efficiency
-    per_receiver = weights / gen.tp
-    per_sender = total / train.n
-    return max(per_receiver, per_sender) / bw + p.hw.link_latency_s, total
+    busiest = max(weights / gen.tp, total / train.n)  # one generator rank's share, one trainer rank's
+    buckets = [DDMA_BUCKET_BYTES] * int(busiest // DDMA_BUCKET_BYTES) + [busiest % DDMA_BUCKET_BYTES]
+    return timing.weight_copy_seconds(p.hw, [b for b in buckets if b > 0], spans), total
 
 
 def reshard_in_place_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
@@ -160,8 +166,8 @@ def reshard_in_place_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[flo
         shard_bytes, tensors = unaligned_tp_shards(role.dims, gen.tp)
         if not tensors:
             return 0.0, 0.0
-        return cost.chunked_collective_time("all_gather", shard_bytes, tensors, group, p.hw, spans), shard_bytes
-    t = cost.chunked_collective_time("all_gather", weights / gen.tp, cost.param_tensor_count(role.dims), group,
+        return timing.chunked_collective_time("all_gather", shard_bytes, tensors, group, p.hw, spans), shard_bytes
+    t = timing.chunked_collective_time("all_gather", weights / gen.tp, cost.param_tensor_count(role.dims), group,
                                      p.hw, spans)
     return t, weights * gen.dp
 
@@ -190,7 +196,7 @@ def unaligned_tp_shards(dims: ModelDims, tp: int) -> tuple[float, int]:
 def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
     w = p.workload
     total = w.responses * rollout_bytes_per_response(w.prompt_len, w.response_len)
-    return cost.collective_time("p2p", total, 2, p.hw, spans), total
+    return timing.p2p_seconds(p.hw, total, spans), total
 
 
 # ------------------------------------------------------------------------------------------------

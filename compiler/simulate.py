@@ -25,6 +25,7 @@ from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.program import TRAITS, Instruction, Programs, describe, label
 
 from graphrl.compiler.semantics import BY_NAME, SEMANTICS, Costs
+from graphrl.compiler.timing import p2p_seconds
 
 _IGNORED_IN_KEY = {"start", "stop", "num_bytes", "peer", "tag"}
 
@@ -93,8 +94,7 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
     def p2p_time(ins: Instruction, src: int, dst: int) -> float:
         assert hw is not None
         spans_nodes = src // devices_per_node != dst // devices_per_node
-        bw = (hw.inter_node_bandwidth if spans_nodes else hw.intra_node_bandwidth) * hw.link_efficiency
-        return ins.num_bytes / bw + hw.link_latency_s  # type: ignore[union-attr]
+        return p2p_seconds(hw, ins.num_bytes, spans_nodes)  # type: ignore[union-attr]
 
     def finish(ranks: list[int] | tuple[int, ...], ins: Instruction, start: float, dur: float) -> None:
         end = start + dur

@@ -20,7 +20,7 @@ from graphrl.schemas.plan import (
 )
 from graphrl.schemas.program import CostKey
 
-from graphrl.compiler import cost
+from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import Evaluated, Problem
 from graphrl.compiler.memory import gen_weights, resident_while_generating, trainer_mesh_memory
 from graphrl.compiler.placement import (SearchResult, generation_time, reshard_in_place_time, role_times,
@@ -77,7 +77,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         ))
         if mem.offloaded[role.name]:
             moved = sum(getattr(mem.roles[role.name], k) for k in mem.offloaded[role.name]) * train.n
-            t = cost.offload_time(moved / train.n, p.hw)
+            t = timing.offload_time(moved / train.n, p.hw)
             operations.append(Operation(kind="offload", src=role.name, dst="host", num_bytes=moved, time_s=t,
                                         detail=f"{', '.join(mem.offloaded[role.name])} while idle"))
             operations.append(Operation(kind="onload", src="host", dst=role.name, num_bytes=moved, time_s=t,

@@ -25,7 +25,7 @@ from graphrl.schemas.program import CostKey
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.weightsync import WeightSyncRecord
 
-from graphrl.compiler import cost
+from graphrl.compiler import timing
 from graphrl.ddma import DDMA_BUCKET_BYTES, plan_llama_sync, sync_record
 from graphrl.compiler.roles import JobShape
 
@@ -70,9 +70,8 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
     schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
     plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes)
-    spans = cost.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
-    bw = (hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth) * hw.link_efficiency
-    seconds = sum(r.max_bucket_bytes / bw + hw.link_latency_s for r in plan.rounds)
+    spans = timing.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
+    seconds = timing.weight_copy_seconds(hw, [r.max_bucket_bytes for r in plan.rounds], spans)
     return sync_record(plan, model, src, dst, seconds), seconds
 
 

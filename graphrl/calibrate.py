@@ -33,36 +33,57 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphrl.compiler import cost
+from graphrl.compiler import timing
+from graphrl.compiler.cost import param_count
 from graphrl.engine_support import engine_available
-from graphrl.schemas.hardware import HARDWARE_PRESETS, CollectiveFit, EngineThroughput, HardwareSpec, MeasuredCollective
+from graphrl.schemas.hardware import (HARDWARE_PRESETS, CollectiveFit, EngineThroughput, HardwareSpec, HostFit,
+                                      HOST_FIT_FIELDS, MatmulFit, MeasuredCollective, VocabCost)
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 
 Phase = Literal["generate", "forward", "train"]
-HOST_FIELDS = ("layer_overhead_s", "pass_overhead_s", "decode_token_overhead_s", "train_layer_overhead_s",
-               "train_pass_overhead_s")
+HOST_FIELDS = HOST_FIT_FIELDS[:6]  # the host overheads; the fit's last two unknowns are the elementwise rates
 COLLECTIVES: tuple[MeasuredCollective, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 _HUGE = 1e30  # a rate so high that the term it divides vanishes
 
 
 def _best_time(fn: Callable[[], Any], repeat: int = 5, min_time_s: float = 0.05) -> float:
-    """Seconds per call: the best of `repeat` timed loops, each at least `min_time_s` long."""
+    """Seconds per call: the best of `repeat` timed loops, each at least `min_time_s` long (a kernel's own
+    rate, undisturbed)."""
+    return min(_loop_times(fn, repeat, min_time_s))
+
+
+def _typical_time(fn: Callable[[], Any], repeat: int = 5, min_time_s: float = 0.05) -> float:
+    """Seconds per call: the median of `repeat` timed loops, each at least `min_time_s` long. The model
+    code probes use it: a run's steps share cores, caches and memory with the other ranks' steps, and the
+    report compares the prediction with a run's median step, not its best."""
+    return statistics.median(_loop_times(fn, repeat, min_time_s))
+
+
+def _loop_times(fn: Callable[[], Any], repeat: int, min_time_s: float) -> list[float]:
+    """Seconds per call of `repeat` loops of as many calls as make one loop last `min_time_s`. Between
+    processes of a gloo group (a data-parallel probe, whose every call runs collectives) the processes
+    agree on the number of calls first, the largest any of them needs."""
     fn()
     calls = 1
     while True:
         t = time.perf_counter()
         for _ in range(calls):
             fn()
-        if time.perf_counter() - t >= min_time_s or calls > 1 << 20:
+        done = time.perf_counter() - t >= min_time_s or calls > 1 << 20
+        if dist.is_initialized():
+            flag = torch.tensor([int(done)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = bool(flag.item())
+        if done:
             break
         calls *= 2
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         t = time.perf_counter()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best
+        times.append((time.perf_counter() - t) / calls)
+    return times
 
 
 def matmul_flops(sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)) -> dict[int, float]:
@@ -93,26 +114,35 @@ class Probe:
     prompt_len: int
     response_len: int
     seconds: float
+    dtype_bytes: int = 4
+    threads: int = 1
+    ranks: int = 1  # processes side by side; a training probe is data-parallel over all of them
 
 
 def predicted_probe_s(probe: Probe, hw: HardwareSpec) -> float:
-    """The cost model's seconds for `probe` on `hw`, through the same functions placement uses (one
-    micro-batch: the whole batch in one forward, as a job without `micro_batch_size` runs)."""
+    """The timing model's seconds for `probe` on `hw`, through the same functions placement uses (one
+    micro-batch: the whole batch in one forward, as a job without `micro_batch_size` runs; log-probs of
+    the response positions only)."""
     seq_len = probe.prompt_len + probe.response_len
     tokens = probe.batch * seq_len
+    rows = probe.batch * probe.response_len
+    hw = hw.for_rank(probe.threads, probe.dims.hidden_size)
     if probe.phase == "generate":
-        return cost.generation_time(probe.dims, probe.batch, probe.prompt_len, probe.response_len, 1, "bf16", hw)
+        return timing.generation_time(probe.dims, probe.batch, probe.prompt_len, probe.response_len, 1, "bf16", hw,
+                                      dtype_bytes=probe.dtype_bytes)
     if probe.phase == "forward":
-        return cost.forward_time(probe.dims, tokens=tokens, seq_len=seq_len, hw=hw, microbatches=1).total_s
-    return cost.training_step_time(
-        probe.dims, tokens=tokens, seq_len=seq_len, dp=1, fsdp=1, tp=1, pp=1, sharding="none", recompute=False,
-        hw=hw, intra_node_tp=True, dp_spans_nodes=False, microbatches=1,
+        return timing.forward_time(probe.dims, tokens=tokens, seq_len=seq_len, hw=hw, microbatches=1,
+                                   dtype_bytes=probe.dtype_bytes, head_rows=rows).total_s
+    return timing.training_step_time(
+        probe.dims, tokens=tokens * probe.ranks, seq_len=seq_len, dp=probe.ranks, fsdp=1, tp=1, pp=1,
+        sharding="none", recompute=False, hw=hw, intra_node_tp=True, dp_spans_nodes=False, microbatches=1,
+        dtype_bytes=probe.dtype_bytes, head_rows=rows * probe.ranks,
     ).total_s
 
 
 def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
     """argmin ||A x - b|| over x >= 0, exactly: the best unconstrained fit over every subset of free
-    variables whose solution is nonnegative (the host model has six unknowns, so 63 subsets)."""
+    variables whose solution is nonnegative (the host model has eight unknowns, so 255 subsets)."""
     a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(target, dtype=torch.float64)[:, None]
     n = a.shape[1]
     best, best_err = [0.0] * n, float(b.square().sum())
@@ -130,22 +160,76 @@ def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> 
 
 
 def fit_host_model(probes: list[Probe], base: HardwareSpec) -> HardwareSpec:
-    """`base` with the host overheads and compute efficiency that best reproduce the probe timings.
+    """`base` with the host overheads and the elementwise rates that best reproduce the probe timings.
 
-    Each probe's predicted time is linear in six unknowns (five host overheads and seconds per FLOP)
-    once memory traffic is negligible, as it is for small models: the basis of each unknown is the
-    cost model's prediction on a description where only that unknown is 1. The fit minimises the
-    relative error over the probes, with every unknown >= 0.
+    The matmuls and collectives are known (`base`'s measured matmul fits or roofline, its collective
+    fits); what remains of each probe's time is linear in eight unknowns: six host overheads and the
+    seconds per elementwise byte of a forward and of a backward. The basis of each unknown is the timing
+    model's prediction on a description where only that unknown is 1 and nothing else costs anything. The
+    fit minimises the relative error over the probes, with every unknown >= 0.
     """
     zero = {name: 0.0 for name in HOST_FIELDS}
-    fast = dict(zero, peak_bf16_flops=_HUGE, compute_efficiency=1.0, memory_bandwidth=_HUGE, memory_efficiency=1.0)
-    bases = [base.model_copy(update=dict(fast, **{name: 1.0})) for name in HOST_FIELDS]
-    bases.append(base.model_copy(update=dict(fast, peak_bf16_flops=1.0)))  # seconds = FLOPs
+    free = dict(zero, peak_bf16_flops=_HUGE, compute_efficiency=1.0, memory_bandwidth=_HUGE, memory_efficiency=1.0,
+                matmuls=(), vocab=(), optimizer_param_s=1 / _HUGE, kernel_overhead_s=0.0, elementwise_bandwidth=_HUGE,
+                backward_elementwise_bandwidth=_HUGE, collectives=(), link_latency_s=0.0,
+                intra_node_bandwidth=_HUGE, inter_node_bandwidth=_HUGE)
+    bases = [base.model_copy(update=dict(free, **{name: 1.0})) for name in HOST_FIELDS]
+    bases.append(base.model_copy(update=dict(free, elementwise_bandwidth=1.0)))  # seconds = forward bytes
+    bases.append(base.model_copy(update=dict(free, backward_elementwise_bandwidth=1.0)))  # seconds = backward's
+    known = base.model_copy(update=dict(zero, elementwise_bandwidth=_HUGE, backward_elementwise_bandwidth=_HUGE))
     rows = [[predicted_probe_s(p, hw) / p.seconds for hw in bases] for p in probes]
-    x = _nonnegative_least_squares(rows, [1.0] * len(probes))
-    *overheads, seconds_per_flop = x
-    efficiency = 1.0 if seconds_per_flop <= 0 else min(1.0, 1.0 / (seconds_per_flop * base.peak_bf16_flops))
-    return base.model_copy(update=dict(zip(HOST_FIELDS, overheads), compute_efficiency=max(efficiency, 1e-3)))
+    target = [1.0 - predicted_probe_s(p, known) / p.seconds for p in probes]
+    *overheads, forward_s_per_byte, backward_s_per_byte = _nonnegative_least_squares(rows, target)
+    return base.model_copy(update=dict(zip(HOST_FIELDS, overheads),
+                                       elementwise_bandwidth=1.0 / max(forward_s_per_byte, 1 / _HUGE),
+                                       backward_elementwise_bandwidth=1.0 / max(backward_s_per_byte, 1 / _HUGE)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Matmul rates of the shapes a job's models use
+
+
+MATMUL_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+# Rows past which a shape is not measured (its time grows in proportion to the rows there): about
+# 20 GFLOP per call, a tenth of a second on one core.
+MATMUL_MAX_FLOPS = 2e10
+_TORCH_DTYPES = {4: torch.float32, 2: torch.bfloat16}
+
+
+def model_matmul_shapes(dims: ModelDims, tps: tuple[int, ...] = (1,)) -> set[tuple[int, int]]:
+    """(k, n) of every linear of `dims` on one rank of each tp group size in `tps`: the block linears and
+    the vocabulary-parallel output head."""
+    shapes = set()
+    for tp in tps:
+        shapes.update(timing.layer_matmul_shapes(dims, tp))
+        shapes.add((dims.hidden_size, -(-dims.vocab_size // tp)))
+    return shapes
+
+
+def measure_matmuls(shapes: set[tuple[int, int]], dtype_bytes: int, threads: int,
+                    report: Callable[[str], None] = lambda s: None) -> tuple[MatmulFit, ...]:
+    """Seconds of `torch.nn.functional.linear` for each (k, n) weight shape by rows (`MATMUL_ROWS`, up to
+    `MATMUL_MAX_FLOPS` per call), with `threads` torch threads."""
+    dtype = _TORCH_DTYPES[dtype_bytes]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    fits = []
+    try:
+        for k, n in sorted(shapes):
+            w = torch.randn(n, k, dtype=dtype)
+            rows = [r for r in MATMUL_ROWS if r == 1 or 2 * r * k * n <= MATMUL_MAX_FLOPS]
+            seconds = []
+            for r in rows:
+                x = torch.randn(r, k, dtype=dtype)
+                seconds.append(_best_time(lambda: torch.nn.functional.linear(x, w), repeat=3, min_time_s=0.01))
+            fits.append(MatmulFit(k=k, n=n, dtype_bytes=dtype_bytes, threads=threads, rows=tuple(rows),
+                                  seconds=tuple(seconds)))
+            big = rows[-1]
+            report(f"  {k:>6} x {n:<6} {dtype_bytes * 8}-bit, {threads} thread(s): {2 * k * n / seconds[0] / 1e9:6.1f} "
+                   f"GFLOP/s at 1 row, {2 * big * k * n / seconds[-1] / 1e9:6.1f} at {big}")
+    finally:
+        torch.set_num_threads(previous)
+    return tuple(fits)
 
 
 def probe_model_code(
@@ -154,51 +238,78 @@ def probe_model_code(
     batches: tuple[int, ...] = (8, 128),
     prompt_len: int = 6,
     response_len: int = 5,
+    dtype_bytes: int = 4,
 ) -> list[Probe]:
     """Time generation, a log-prob forward and a training step (GRPO/PPO loss, gradient clipping,
-    AdamW) as the executor runs them, on `dims` at every depth in `layers` and batch in `batches`."""
-    from graphrl.executors import algorithms as alg
+    AdamW) as the executor runs them, on `dims` at every depth in `layers` and batch in `batches`, in
+    the dtype of `dtype_bytes` bytes, with this process's torch threads."""
+    from graphrl.executors import training
     from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy
+    from graphrl.executors.parallel import build_optimizer, wrap_trainer
+    from graphrl.executors.roles import RoleState
+    from graphrl.schemas.job import AlgorithmSpec
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
     from graphrl.tasks import PAD
 
+    # Side by side on several processes, the probe trains data-parallel over all of them (DDP on gloo), as
+    # the ranks of a run do: its step includes the gradient reduction and the loss's all-reduces.
+    group = dist.group.WORLD if dist.is_initialized() else None
+    device = torch.device("cpu")
+    placement = RolePlacement(role="probe", model="probe", kind="train", ops=["train"], mesh="probe",
+                              memory_bytes=MemoryBytes())
+    algorithm = AlgorithmSpec()
     probes = []
     for num_layers, batch in itertools.product(layers, batches):
         d = dims.model_copy(update=dict(num_layers=num_layers))
         torch.manual_seed(0)
-        model = Llama(d)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model = Llama(d).to(_TORCH_DTYPES[dtype_bytes])
+        wrapped, wrapping = wrap_trainer(model, "none", group, device)
+        optimizer = build_optimizer(wrapped, "none", wrapping, group, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
+        role = RoleState(placement, model, wrapped, wrapping, optimizer)
         prompt_ids = torch.randint(3, d.vocab_size, (batch, prompt_len))
         prompt_mask = torch.ones(batch, prompt_len, dtype=torch.bool)
 
+        uniforms = torch.rand(batch, response_len, generator=torch.Generator().manual_seed(0))
+
         def gen() -> Any:
-            # eos_id -1 never occurs, so every call runs all response_len passes
+            # eos_id -1 never occurs, so every call runs all response_len passes; one uniform number per
+            # row and token, as the executor's sampler draws them
             return generate(model, prompt_ids, prompt_mask, response_len, temperature=1.0, top_p=1.0,
-                            generator=torch.Generator().manual_seed(0), eos_id=-1, pad_id=PAD)
+                            uniforms=uniforms, eos_id=-1, pad_id=PAD)
 
         model.eval()
         out = gen()
-        t_gen = _best_time(gen, repeat=3)
+        t_gen = _typical_time(gen, repeat=5)
         advantages = torch.randn(batch, response_len)
 
         def forward() -> None:
             with torch.no_grad():
                 token_logprobs_and_entropy(model, prompt_ids, prompt_mask, out.response_ids, out.response_mask)
 
-        def train() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            logprobs, _ = token_logprobs_and_entropy(model, prompt_ids, prompt_mask, out.response_ids, out.response_mask)
-            loss, _ = alg.policy_loss(logprobs, out.logprobs, advantages, out.response_mask, 0.2)
-            loss.backward()
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-            optimizer.step()
-            float(loss.detach())
+        rollouts = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
+                        response_mask=out.response_mask, behaviour_logprobs=out.logprobs, version=torch.tensor([0]))
+
+        def train() -> None:  # the executor's own update: loss weights, GRPO loss, clipping, AdamW
+            training.update(role, "grpo", algorithm, rollouts, {"advantages": advantages}, None, None,
+                            temperature=1.0, group=group, rt=_PROBE_RUNTIME, node="probe", step=0)
 
         model.train()
-        t_fwd = _best_time(forward, repeat=3)
-        t_train = _best_time(train, repeat=3)
+        t_fwd = _typical_time(forward, repeat=5)
+        t_train = _typical_time(train, repeat=5)
         for phase, seconds in (("generate", t_gen), ("forward", t_fwd), ("train", t_train)):
-            probes.append(Probe(phase, d, batch, prompt_len, response_len, seconds))  # type: ignore[arg-type]
+            probes.append(Probe(phase, d, batch, prompt_len, response_len, seconds, dtype_bytes,  # type: ignore[arg-type]
+                                torch.get_num_threads(), dist.get_world_size() if group is not None else 1))
     return probes
+
+
+@dataclass(frozen=True)
+class _ProbeRuntime:
+    """What the executor's update reads of a rank's runtime in a probe: where collective buffers live."""
+
+    comm_device: torch.device = torch.device("cpu")
+
+
+_PROBE_RUNTIME = _ProbeRuntime()
 
 
 def _probe_times(rank: int, world: int) -> list[Probe]:
@@ -373,7 +484,7 @@ def _line_fit(times: dict[int, float]) -> tuple[float, float]:
 def fit_collective(kind: MeasuredCollective, group_size: int, times: dict[int, float]) -> CollectiveFit:
     """The ring-model bandwidth and per-step latency that reproduce measured {bytes: seconds}."""
     intercept, slope = _line_fit(times)
-    factor, steps = cost.ring_shape(kind, group_size)
+    factor, steps = timing.ring_shape(kind, group_size)
     return CollectiveFit(kind=kind, group_size=group_size, bus_bandwidth=factor / slope, latency_s=intercept / steps)
 
 
@@ -403,10 +514,173 @@ def collective_fits(
 # --------------------------------------------------------------------------------------------------
 
 
-def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_ranks: int = 4) -> HardwareSpec:
+@dataclass(frozen=True)
+class JobModels:
+    """What `graphrl calibrate JOB` measures for one job: its models' shapes in their dtype, on ranks of its
+    threads, with probes of its own per-rank sizes."""
+
+    name: str
+    models: tuple[tuple[ModelDims, int], ...]  # (dims, bytes per element) of each distinct model
+    threads: int
+    tps: tuple[int, ...]  # tensor-parallel sizes the search may give a role on the job's cluster
+    ranks: int  # devices of the job's cluster
+    batch: int  # responses per rank
+    prompt_len: int
+    response_len: int
+
+
+def job_models(path: str | Path) -> JobModels:
+    """The shapes, dtypes, threads and per-rank sizes of the job file at `path`."""
+    from graphrl.compiler.roles import derive_roles, derive_workload
+    from graphrl.compiler.typecheck import typecheck
+    from graphrl.ir import build_graph
+    from graphrl.loader import job_cluster, load_job
+
+    loaded = load_job(path)
+    graph = typecheck(build_graph(loaded.spec), None, "preview")
+    workload = derive_workload(graph)
+    devices = job_cluster(loaded, None).num_devices
+    models = tuple(sorted({(r.dims, r.weight_bytes) for r in derive_roles(graph)}, key=lambda m: m[0].model_dump_json()))
+    return JobModels(loaded.spec.name, models, loaded.spec.run.threads_per_rank,
+                     tuple(t for t in (1, 2, 4, 8) if t <= devices), devices, max(1, workload.responses // devices),
+                     workload.prompt_len, workload.response_len)
+
+
+# Vocabularies below this are not measured: their work is a few kernels' overhead, which the fitted
+# per-pass host time carries.
+MIN_MEASURED_VOCAB = 1024
+
+
+def measure_vocab(vocab_size: int, sample_rows: int, pass_rows: int, threads: int) -> VocabCost:
+    """Seconds per row and entry of the executor's work over float32 logits of `vocab_size` entries:
+    sampling with one uniform per row plus the token's log-prob (`sample_rows` rows, one decode step), a
+    log-prob pass's log-softmax, gather and entropy, and a training pass's forward and backward of the
+    log-probs (`pass_rows` rows)."""
+    from graphrl.executors.models.llama import _sample
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(sample_rows, vocab_size, generator=g)
+        uniform = torch.rand(sample_rows, generator=g)
+
+        def sample() -> None:
+            token = _sample(logits, 0.8, 1.0, None, uniform)
+            torch.log_softmax(logits / 0.8, dim=-1).gather(-1, token[:, None])
+
+        pass_logits = torch.randn(pass_rows, vocab_size, generator=g)
+        tokens = torch.randint(0, vocab_size, (pass_rows, 1), generator=g)
+
+        def logprobs(x: torch.Tensor) -> torch.Tensor:
+            logp = torch.log_softmax(x, dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            return logp.gather(-1, tokens).squeeze(-1).sum() + 0.0 * entropy.sum()
+
+        def forward() -> None:
+            with torch.no_grad():
+                logprobs(pass_logits)
+
+        trainable = pass_logits.clone().requires_grad_(True)
+
+        def train() -> None:
+            trainable.grad = None
+            logprobs(trainable).backward()
+
+        per_sample = _best_time(sample, repeat=3, min_time_s=0.02) / (sample_rows * vocab_size)
+        per_forward = _best_time(forward, repeat=3, min_time_s=0.02) / (pass_rows * vocab_size)
+        per_train = _best_time(train, repeat=3, min_time_s=0.02) / (pass_rows * vocab_size)
+    finally:
+        torch.set_num_threads(previous)
+    return VocabCost(vocab_size=vocab_size, generate=per_sample, forward=per_forward, train=per_train)
+
+
+# Parameters past which the optimizer is not measured bigger (its rate is steady there).
+MAX_MEASURED_OPTIMIZER_PARAMS = 64_000_000
+
+
+def measure_optimizer(params: int, threads: int) -> float:
+    """Seconds per parameter of gradient-norm clipping and an AdamW step over `params` float32
+    parameters in eight tensors, with `threads` torch threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tensors = [torch.nn.Parameter(torch.randn(max(1, params // 8))) for _ in range(8)]
+        for t in tensors:
+            t.grad = torch.randn_like(t)
+        optimizer = torch.optim.AdamW(tensors, lr=1e-4)
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(tensors, 1.0)
+            optimizer.step()
+
+        return _best_time(step, repeat=3, min_time_s=0.05) / (8 * max(1, params // 8))
+    finally:
+        torch.set_num_threads(previous)
+
+
+# The job probes: two depths (the per-layer host time is their difference), a few decode steps.
+JOB_PROBE_LAYERS = (2, 6)
+JOB_PROBE_MAX_BATCH = 16
+JOB_PROBE_MAX_RESPONSE = 8
+
+
+def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
+               ) -> tuple[tuple[MatmulFit, ...], tuple[VocabCost, ...], float, list[list[Probe]]]:
+    """Each job's matmul shapes and vocabulary work measured, the optimizer step at the largest job's
+    model size (seconds per parameter, 0 without a job), and its models' code timed at reduced depth, with
+    its threads (a list of probes per job)."""
+    fits: list[MatmulFit] = []
+    vocabs: dict[int, VocabCost] = {}
+    probes: list[list[Probe]] = []
+    optimizer_param_s = 0.0
+    measured: set[tuple[int, int, int, int]] = set()
+    previous = torch.get_num_threads()
+    try:
+        for job in jobs:
+            probes.append([])
+            for dims, dtype_bytes in job.models:
+                shapes = {(k, n) for k, n in model_matmul_shapes(dims, job.tps)
+                          if (k, n, dtype_bytes, job.threads) not in measured}
+                report(f"measuring {job.name}'s matmul shapes ({len(shapes)} new)...")
+                fits += measure_matmuls(shapes, dtype_bytes, job.threads, report)
+                measured |= {(k, n, dtype_bytes, job.threads) for k, n in shapes}
+                if dims.vocab_size >= MIN_MEASURED_VOCAB and dims.vocab_size not in vocabs:
+                    cost = measure_vocab(dims.vocab_size, job.batch, min(job.batch * job.response_len, 1024),
+                                         job.threads)
+                    vocabs[dims.vocab_size] = cost
+                    report(f"  vocabulary of {dims.vocab_size}: {cost.generate * 1e9:.2f} ns per entry sampling, "
+                           f"{cost.forward * 1e9:.2f} log-prob pass, {cost.train * 1e9:.2f} training pass")
+                torch.set_num_threads(job.threads)
+                report(f"timing {job.name}'s model code at {JOB_PROBE_LAYERS} layers, {job.threads} thread(s)...")
+                batch = min(job.batch, JOB_PROBE_MAX_BATCH)
+                probes[-1] += probe_model_code(dims, JOB_PROBE_LAYERS, tuple(sorted({max(1, batch // 4), batch})),
+                                               job.prompt_len, min(job.response_len, JOB_PROBE_MAX_RESPONSE), dtype_bytes)
+        largest = max(jobs, key=lambda j: max(param_count(d) for d, _ in j.models), default=None)
+        if largest is not None:
+            params = min(max(param_count(d) for d, _ in largest.models), MAX_MEASURED_OPTIMIZER_PARAMS)
+            optimizer_param_s = measure_optimizer(params, largest.threads)
+            report(f"  optimizer (AdamW and clipping) over {params:,} parameters, {largest.threads} thread(s): "
+                   f"{optimizer_param_s * 1e9:.2f} ns per parameter")
+    finally:
+        torch.set_num_threads(previous)
+    return tuple(fits), tuple(vocabs.values()), optimizer_param_s, probes
+
+
+def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_ranks: int = 4,
+              jobs: tuple[str | Path, ...] = ()) -> HardwareSpec:
     """Measure this machine into a `cpu-local` description; `with_p2p=False` skips every multi-process
-    measurement (point-to-point and collectives keep the preset's figures)."""
+    measurement (point-to-point and collectives keep the preset's figures). With `jobs`, the matmul shapes
+    of their models are measured in their dtype and threads, and their models' code is probed too."""
     base = HARDWARE_PRESETS["cpu-local"]
+    targets = [job_models(j) for j in jobs]
+    if with_p2p:  # first: the data-parallel probes below are predicted with the measured collectives
+        report("measuring gloo point-to-point between two processes...")
+        p2p_bw, latency = p2p_bandwidth_latency()
+        report(f"  {p2p_bw / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} µs")
+        report(f"measuring gloo collectives on 2 to {max_ranks} processes...")
+        base = base.model_copy(update=dict(intra_node_bandwidth=p2p_bw, inter_node_bandwidth=p2p_bw,
+                                           link_latency_s=latency, collectives=collective_fits(max_ranks, report=report)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ranks run one thread each by default
     try:
@@ -418,36 +692,69 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         report("measuring memory bandwidth...")
         mem_bw = memory_bandwidth()
         report(f"  {mem_bw / 1e9:.2f} GB/s")
+        tiny = MODEL_PRESETS["tiny-digits"]
+        report("measuring the probe model's matmul shapes (one thread)...")
+        fits = measure_matmuls(model_matmul_shapes(tiny, (1, 2)), 4, 1, report)
         side_by_side = min(max_ranks, os.cpu_count() or 1) if with_p2p else 1
         report(f"timing the executor's model code on probe models ({side_by_side} process(es) side by side)...")
         probes = probe_side_by_side(side_by_side)
+        job_fits, vocab_costs, optimizer_param_s, job_probes = probe_jobs(targets, report)
         # fp8 weights are dequantized at use on a CPU: the same matmul rate as unquantized ones.
         measured = base.model_copy(update=dict(peak_bf16_flops=peak, peak_fp8_flops=peak, memory_bandwidth=mem_bw,
-                                               host_link_bandwidth=mem_bw))
+                                               host_link_bandwidth=mem_bw, matmuls=fits + job_fits,
+                                               vocab=vocab_costs, optimizer_param_s=optimizer_param_s))
+        report("fitting the host model (general figures, from the probe model):")
         fitted = fit_host_model(probes, measured)
-        for p in probes:
-            pred = predicted_probe_s(p, fitted)
-            report(f"  {p.phase:<9} {p.dims.num_layers} layers x {p.batch:>4} sequences: {p.seconds * 1e3:7.2f} ms, "
-                   f"model {pred * 1e3:7.2f} ms ({100 * (pred - p.seconds) / p.seconds:+.0f}%)")
-        report(f"  per layer: {fitted.layer_overhead_s * 1e6:.0f} µs forward, {fitted.train_layer_overhead_s * 1e6:.0f} µs "
-               f"training, {fitted.decode_token_overhead_s * 1e6:.2f} µs per generated token; per pass: "
-               f"{fitted.pass_overhead_s * 1e6:.0f} µs forward, {fitted.train_pass_overhead_s * 1e6:.0f} µs training; "
-               f"{fitted.compute_efficiency * peak / 1e9:.1f} GFLOP/s achieved")
+        _report_fit(probes, fitted, report)
+        host_fits = []
+        for job, own in zip(targets, job_probes):
+            # A job on several ranks also learns from the data-parallel probes what a rank's update costs
+            # beside its peers.
+            together = own + ([p for p in probes if p.ranks > 1] if job.ranks > 1 else [])
+            report(f"fitting the host model of {job.name}'s models:")
+            job_fit = fit_host_model(together, measured)
+            _report_fit(together, job_fit, report)
+            for dims, _ in job.models:
+                host_fits.append(HostFit(hidden_size=dims.hidden_size, threads=job.threads,
+                                         **{name: getattr(job_fit, name) for name in HOST_FIT_FIELDS}))
+        fitted = fitted.model_copy(update=dict(host_fits=_distinct_host_fits(host_fits)))
         report("measuring per-instruction overhead...")
         per_op = instruction_overhead()
         report(f"  {per_op * 1e6:.0f} µs per instruction")
     finally:
         torch.set_num_threads(threads)
-    update: dict[str, Any] = dict(op_overhead_s=per_op)
-    if with_p2p:
-        report("measuring gloo point-to-point between two processes...")
-        p2p_bw, latency = p2p_bandwidth_latency()
-        report(f"  {p2p_bw / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} µs")
-        update.update(intra_node_bandwidth=p2p_bw, inter_node_bandwidth=p2p_bw, link_latency_s=latency)
-        report(f"measuring gloo collectives on 2 to {max_ranks} processes...")
-        update["collectives"] = collective_fits(max_ranks, report=report)
-    update["engines"] = engine_throughputs(report)
+    update: dict[str, Any] = dict(op_overhead_s=per_op, engines=engine_throughputs(report))
+    ram = physical_memory_bytes()
+    if ram:  # a local rank is a process on a core: its share of the machine's memory
+        update["memory_bytes"] = ram / (os.cpu_count() or 1)
+        report(f"memory per rank: {update['memory_bytes'] / 2**30:.1f} GiB ({ram / 2**30:.1f} GiB over {os.cpu_count()} cores)")
     return fitted.model_copy(update=update)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, where the OS says (None elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _report_fit(probes: list[Probe], fitted: HardwareSpec, report: Callable[[str], None]) -> None:
+    for p in probes:
+        pred = predicted_probe_s(p, fitted)
+        report(f"  {p.phase:<9} {p.dims.num_layers} layers d{p.dims.hidden_size} x {p.batch:>4} sequences, "
+               f"{p.ranks} x {p.threads} thread(s): {p.seconds * 1e3:8.2f} ms, model {pred * 1e3:8.2f} ms "
+               f"({100 * (pred - p.seconds) / p.seconds:+.0f}%)")
+    report(f"  per layer: {fitted.layer_overhead_s * 1e6:.0f} µs forward, {fitted.train_layer_overhead_s * 1e6:.0f} µs "
+           f"training, {fitted.decode_token_overhead_s * 1e6:.2f} µs per generated token; per pass: "
+           f"{fitted.pass_overhead_s * 1e6:.0f} µs forward, {fitted.train_pass_overhead_s * 1e6:.0f} µs training; "
+           f"{fitted.data_parallel_layer_overhead_s * 1e6:.0f} µs per layer on a data-parallel rank; elementwise "
+           f"{fitted.elementwise_rate / 1e9:.1f} GB/s forward, {fitted.backward_elementwise_rate / 1e9:.1f} backward")
+
+
+def _distinct_host_fits(fits: list[HostFit]) -> tuple[HostFit, ...]:
+    """One fit per (width, threads): the last job's, when two jobs share both."""
+    return tuple({(f.hidden_size, f.threads): f for f in fits}.values())
 
 
 # A probe the vLLM CPU backend runs (head_dim 64), small enough to measure in seconds.

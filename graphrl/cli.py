@@ -268,19 +268,22 @@ def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, f
 @click.option("--no-p2p", is_flag=True, help="Skip the multi-process gloo measurements (point-to-point, collectives).")
 @click.option("--max-ranks", type=click.IntRange(2, 16), default=4, show_default=True,
               help="Measure collectives on 2 to this many local processes.")
-def calibrate(output: Path | None, no_p2p: bool, max_ranks: int) -> None:
+@click.argument("jobs", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+def calibrate(output: Path | None, no_p2p: bool, max_ranks: int, jobs: tuple[str, ...]) -> None:
     """Measure this machine (matmul, memory, the executor's model code, gloo point-to-point and collectives)
-    for the cpu-local hardware preset."""
+    for the cpu-local hardware preset. With JOB files, also every matmul shape of their models (in their
+    dtype, with their threads per rank) and their models' own code at reduced depth."""
     from graphrl.calibrate import calibrate as run_calibration, write_calibration
     from graphrl.compiler.hardware import calibration_path
 
     target = output or calibration_path()
     if target is None:
         raise click.UsageError("GRAPHRL_CALIBRATION=none disables calibration files; pass -o FILE")
-    spec = run_calibration(report=lambda s: click.echo(s, err=True), with_p2p=not no_p2p, max_ranks=max_ranks)
+    spec = run_calibration(report=lambda s: click.echo(s, err=True), with_p2p=not no_p2p, max_ranks=max_ranks,
+                           jobs=jobs)
     write_calibration(spec, target)
-    click.echo(f"wrote {target}: peak {spec.peak_bf16_flops / 1e9:.1f} GFLOP/s "
-               f"({spec.compute_efficiency:.0%} achieved in model code), memory {spec.memory_bandwidth / 1e9:.1f} GB/s, "
+    click.echo(f"wrote {target}: peak {spec.peak_bf16_flops / 1e9:.1f} GFLOP/s, {len(spec.matmuls)} matmul shapes, "
+               f"memory {spec.memory_bandwidth / 1e9:.1f} GB/s (elementwise {spec.elementwise_rate / 1e9:.1f}), "
                f"p2p {spec.intra_node_bandwidth / 1e9:.2f} GB/s, {len(spec.collectives)} collective fits")
 
 

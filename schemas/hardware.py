@@ -7,6 +7,7 @@ real collectives); they are the knobs `graphrl calibrate` fits for the local CPU
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field
@@ -45,7 +46,7 @@ class CollectiveFit(Frozen):
     latency_s: Real = Field(ge=0, description="Ring-model latency per step that fits the measurement, seconds.")
 
 
-CALIBRATION_FORMAT = 1
+CALIBRATION_FORMAT = 2
 """The version of a calibration file's content (`graphrl calibrate`): a file of another version is ignored,
 with a warning, since its figures may mean something else or miss ones the cost model now reads."""
 
@@ -68,6 +69,52 @@ class MachineId(Frozen):
 
     def describe(self) -> str:
         return f"{self.cpu_model or 'an unnamed CPU'} with {self.logical_cores} logical cores"
+
+
+class MatmulFit(Frozen):
+    """Measured seconds of one linear layer's matmul, y[m, n] = x[m, k] @ W[n, k]^T, by the rows m of its
+    input (`graphrl calibrate JOB` measures every weight shape of the job's models). The timing model
+    interpolates between the measured rows linearly and scales past the last one by rows."""
+
+    k: Integer = Field(gt=0, description="Input features (the weight's columns).")
+    n: Integer = Field(gt=0, description="Output features (the weight's rows).")
+    dtype_bytes: Integer = Field(gt=0, description="Bytes per element of the weights and activations measured.")
+    threads: Integer = Field(gt=0, description="torch intra-op threads of the measuring process.")
+    rows: tuple[Integer, ...] = Field(min_length=1, description="Input rows measured, ascending.")
+    seconds: tuple[Real, ...] = Field(min_length=1, description="Seconds of one matmul at each of `rows`.")
+
+
+class VocabCost(Frozen):
+    """Measured seconds per row and vocabulary entry of the float32 work over the head's logits, for one
+    vocabulary size (`graphrl calibrate JOB`): sampling a token and its log-prob in generation, a log-prob
+    pass's log-softmax and entropy, and a training pass's forward and backward of them."""
+
+    vocab_size: Integer = Field(gt=0, description="Vocabulary entries per row measured.")
+    generate: Real = Field(ge=0, description="Seconds per row and entry of sampling plus the sampled token's log-prob.")
+    forward: Real = Field(ge=0, description="Seconds per row and entry of a log-prob pass (log-softmax, entropy).")
+    train: Real = Field(ge=0, description="Seconds per row and entry of a training pass (that forward and its backward).")
+
+
+HOST_FIT_FIELDS = ("layer_overhead_s", "pass_overhead_s", "decode_token_overhead_s", "train_layer_overhead_s",
+                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "elementwise_bandwidth",
+                   "backward_elementwise_bandwidth")
+
+
+class HostFit(Frozen):
+    """The host overheads and elementwise rates `graphrl calibrate JOB` fitted to one job's own models
+    (their width, in their dtype and threads): a rank of a model of that width uses them instead of the
+    description's general figures (`HardwareSpec.for_rank`). Fields as in `HardwareSpec`."""
+
+    hidden_size: Integer = Field(gt=0, description="Hidden size of the models probed.")
+    threads: Integer = Field(gt=0, description="torch threads per process of the probes.")
+    layer_overhead_s: Real = Field(ge=0)
+    pass_overhead_s: Real = Field(ge=0)
+    decode_token_overhead_s: Real = Field(ge=0)
+    train_layer_overhead_s: Real = Field(ge=0)
+    train_pass_overhead_s: Real = Field(ge=0)
+    data_parallel_layer_overhead_s: Real = Field(ge=0)
+    elementwise_bandwidth: Real = Field(ge=0)
+    backward_elementwise_bandwidth: Real = Field(ge=0)
 
 
 class HardwareSpec(Frozen):
@@ -138,6 +185,52 @@ class HardwareSpec(Frozen):
         description="Measured generation engines (from `graphrl calibrate`, where the engine is installed); a "
                     "generator on an engine without a measurement is costed as the native sampler.",
     )
+    kernel_overhead_s: Real = Field(
+        default=0.0, ge=0,
+        description="Fixed time of one kernel (launch and tail), seconds, added to every matmul's roofline; on a "
+                    "CPU the fitted per-layer host times carry it instead.",
+    )
+    elementwise_bandwidth: Real = Field(
+        default=0.0, ge=0,
+        description="Bytes/s that elementwise kernels (norms, rotary embedding, activations, residuals, the softmax "
+                    "over the vocabulary, the optimizer update) achieve; 0 means memory_bandwidth * memory_efficiency. "
+                    "`graphrl calibrate` fits it from the executor's own model code.",
+    )
+    backward_elementwise_bandwidth: Real = Field(
+        default=0.0, ge=0,
+        description="The backward pass's elementwise work (autograd's saved tensors, the gradients of the norms, "
+                    "rotary embedding and activations) as bytes/s of the forward's elementwise bytes; 0 means half the "
+                    "elementwise rate (a backward moves about twice a forward's bytes). Fitted by `graphrl calibrate`.",
+    )
+    data_parallel_layer_overhead_s: Real = Field(
+        default=0.0, ge=0,
+        description="Host time per transformer layer per training micro-batch of a data-parallel rank beyond its "
+                    "own computation and the modelled collectives (the wrapper's gradient hooks and bucket "
+                    "bookkeeping, waiting for the other ranks), seconds. Fitted by `graphrl calibrate` from "
+                    "side-by-side data-parallel probes.",
+    )
+    host_fits: tuple[HostFit, ...] = Field(
+        default=(),
+        description="Host figures fitted to the models of the jobs calibrated (`graphrl calibrate JOB`), by model "
+                    "width and threads; see `for_rank`.",
+    )
+    matmuls: tuple[MatmulFit, ...] = Field(
+        default=(),
+        description="Measured matmul times by weight shape and rows (from `graphrl calibrate JOB`); a shape not "
+                    "measured is scaled from the nearest measured one, and without any the roofline of the peak "
+                    "FLOP/s and memory bandwidth is used.",
+    )
+    optimizer_param_s: Real = Field(
+        default=0.0, ge=0,
+        description="Measured seconds per parameter of the optimizer step (AdamW and gradient-norm clipping, float32; "
+                    "from `graphrl calibrate JOB`, at the job's model size); 0 means the step is timed by the bytes it "
+                    "moves at the elementwise bandwidth.",
+    )
+    vocab: tuple[VocabCost, ...] = Field(
+        default=(),
+        description="Measured costs of the work over the vocabulary by vocabulary size (from `graphrl calibrate "
+                    "JOB`); without one, that work is timed by the bytes it moves at the elementwise bandwidth.",
+    )
     reserved_memory_fraction: Real = Field(
         default=0.1, ge=0, lt=1, description="Device memory kept free for the allocator, workspace and fragmentation."
     )
@@ -155,6 +248,30 @@ class HardwareSpec(Frozen):
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes * (1.0 - self.reserved_memory_fraction)
+
+    def for_rank(self, threads: int, hidden_size: int) -> "HardwareSpec":
+        """This description for ranks of `threads` torch threads that run models `hidden_size` wide: the
+        matmul fits measured with that many threads (all of them where none was), and the host fit of
+        those threads whose width is nearest (the general figures where none was made)."""
+        update: dict = {}
+        same = tuple(f for f in self.matmuls if f.threads == threads)
+        if same and len(same) != len(self.matmuls):
+            update["matmuls"] = same
+        fits = [f for f in self.host_fits if f.threads == threads]
+        if fits:
+            fit = min(fits, key=lambda f: abs(math.log(f.hidden_size / hidden_size)))
+            update.update({name: getattr(fit, name) for name in HOST_FIT_FIELDS})
+        return self.model_copy(update=update) if update else self
+
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of elementwise kernels: the fitted figure, else the effective memory bandwidth."""
+        return self.elementwise_bandwidth or self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def backward_elementwise_rate(self) -> float:
+        """The backward's elementwise work in bytes/s of the forward's elementwise bytes."""
+        return self.backward_elementwise_bandwidth or self.elementwise_rate / 2
 
 
 # Datasheet figures (NVIDIA H100, H200 and A100 datasheets): dense (not sparse) tensor-core peaks.
