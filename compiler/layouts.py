@@ -2,7 +2,7 @@
 disaggregated device splits.
 
 One enumeration serves the search (`compiler/placement.py`) and the up-front pin checks
-(`compiler/typecheck.py`), so a pin typecheck accepts is one the search can lay out.
+(`compiler/candidates.py`, `check_pins`), so a pin the checks accept is one the search can lay out.
 """
 
 from __future__ import annotations
