@@ -4,7 +4,9 @@ Before, a pin such as `tp: 4` on two devices or `dp: 1, fsdp: 1, tp: 1, pp: 1` o
 mesh passed `graphrl validate` and left the search without a candidate ("no candidate layout exists",
 naming no field), and `dp` pins were silently dropped when `fsdp` was pinned too. The property test
 below walks a grid of pins on 2- and 4-device clusters: typecheck refuses a pin set exactly when the
-search, run without the typecheck, finds no layout for it, and every layout it finds honours every pin.
+search, run without the pin checks, finds no layout for it, and every layout it finds honours every pin.
+The pin checks are one function (`graphrl.compiler.candidates.check_pins`) that typecheck and the search
+both call; the tests after the property test hold it to that.
 """
 
 from __future__ import annotations
