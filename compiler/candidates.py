@@ -1,6 +1,8 @@
-"""Placement candidates: the search problem of one job on one cluster (`Problem`), the trainer and generator
-halves a layout combines (`TrainCfg`, `GenCfg`), their enumeration within the pins and the capability
-table, and a full candidate's evaluation record (`Evaluated`)."""
+"""Placement candidates: the search problem of one job on one cluster (`Problem`, over the `SearchSpace` the
+enumeration reads), the trainer and generator halves a layout combines (`TrainCfg`, `GenCfg`), their
+enumeration within the pins and the capability table, the checks of the pins against that enumeration
+(`check_pins`, the one place they are checked: typecheck and the search both call it), and a full
+candidate's evaluation record (`Evaluated`)."""
 
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from graphrl.errors import PlacementError
-from graphrl.engine_support import ENGINE_PRECISIONS
+from graphrl.engine_support import ENGINE_MAX_TP, ENGINE_PRECISIONS, VLLM_INSTALL, engine_available
 from graphrl.ir import JobGraph
 from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
@@ -19,6 +21,7 @@ from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
 from graphrl.schemas.mesh import Mesh
 
 from graphrl.compiler import cost, timing
+from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
 
@@ -105,18 +108,20 @@ class Evaluated:
 
 
 # ------------------------------------------------------------------------------------------------
-# The search context: everything fixed for one job and cluster
+# The search space and the search problem: everything fixed for one job and cluster
 
 
 @dataclass(frozen=True)
-class Problem:
+class SearchSpace:
+    """What the enumeration reads: the job's roles, the cluster and its hardware, the user's pins and what
+    the layouts are for. The pin checks enumerate over it too, so they accept exactly what the search can
+    lay out."""
+
     roles: tuple[Role, ...]
-    workload: Workload
     cluster: ClusterSpec
     hw: HardwareSpec
     hints: PlacementHints
-    mode: Literal["sync", "async"]
-    target: Target = "preview"
+    target: Target
     """`run`: only layouts the executors run (`graphrl.schemas.capabilities`); `preview`: also a
     preview-only choice the user pinned (a pp > 1)."""
 
@@ -127,10 +132,6 @@ class Problem:
     @property
     def per_node(self) -> int:
         return self.cluster.devices_per_node
-
-    @property
-    def usable(self) -> float:
-        return self.hw.usable_memory_bytes
 
     def roles_of(self, *kinds: str) -> list[Role]:
         return [r for r in self.roles if r.kind in kinds]
@@ -147,6 +148,19 @@ class Problem:
     def hint(self, role: str) -> RoleHint:
         return self.hints.roles.get(role, RoleHint())
 
+
+@dataclass(frozen=True)
+class Problem(SearchSpace):
+    """The search problem: the search space and what each candidate is costed by (the workload of one
+    step and the schedule's mode)."""
+
+    workload: Workload
+    mode: Literal["sync", "async"]
+
+    @property
+    def usable(self) -> float:
+        return self.hw.usable_memory_bytes
+
     @property
     def shape(self) -> JobShape:
         """What the passes after placement may read of the problem."""
@@ -159,19 +173,29 @@ class Problem:
         return tp > self.per_node
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_ok(role: Role, tp: int) -> bool:
-    return tp_split_problem(role.dims, tp, role.kind) is None
-
-
 # ------------------------------------------------------------------------------------------------
 # Enumeration
 
 
-def train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
+def strategies(p: SearchSpace) -> list[Strategy]:
+    """The families of layouts the search ranks: both, or the one that `strategy` or a colocate group of the
+    policy and its generator forces."""
+    hints = p.hints
+    gen = p.generator
+    forced: Strategy | None = None if hints.strategy == "auto" else hints.strategy  # type: ignore[assignment]
+    for group in hints.colocate:
+        if gen is not None and gen.name in group and p.policy.name in group:
+            if forced == "disaggregated":
+                raise PlacementError(
+                    f"colocate group {group} puts {gen.name!r} with {p.policy.name!r}, but strategy is disaggregated",
+                    path=("placement", "colocate"), fix="drop the group or set strategy: colocated")
+            forced = "colocated"
+    if gen is None:
+        return ["colocated"]
+    return [forced] if forced else ["colocated", "disaggregated"]
+
+
+def train_cfgs(p: SearchSpace, first: int, n: int) -> list[TrainCfg]:
     """Trainer layouts over devices [first, first+n) that respect the policy's pins and that the executors
     run (the capability table); for a preview, a preview-only choice the user pinned is laid out too."""
     role = p.policy
@@ -190,7 +214,7 @@ def train_cfgs(p: Problem, first: int, n: int) -> list[TrainCfg]:
     return out
 
 
-def gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
+def gen_cfgs(p: SearchSpace, first: int, n: int) -> list[GenCfg]:
     role = p.generator
     assert role is not None
     hint = p.hint(role.name)
@@ -205,55 +229,214 @@ def gen_cfgs(p: Problem, first: int, n: int) -> list[GenCfg]:
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 
-def splits(p: Problem) -> list[tuple[int, int, int, int]]:
+def splits(p: SearchSpace) -> list[tuple[int, int, int, int]]:
     """(gen_first, gen_n, train_first, train_n) device splits for disaggregated layouts."""
     gen_hint = p.hint(p.generator.name) if p.generator else RoleHint()
     return device_splits(p.num_devices, p.per_node, gen_hint.devices, p.hint(p.policy.name).devices)
 
 
+def mesh_pairs(p: SearchSpace) -> list[tuple[tuple[int, int], tuple[int, int] | None]]:
+    """((first, n) of the trainer, (first, n) of the generator or None) of every pair of meshes the search
+    lays out: the whole cluster for both when colocated, and each device split when disaggregated."""
+    n, families = p.num_devices, strategies(p)
+    pairs: list[tuple[tuple[int, int], tuple[int, int] | None]] = []
+    if "colocated" in families:
+        pairs.append(((0, n), (0, n) if p.generator else None))
+    if "disaggregated" in families:
+        pairs += [((t_first, t_n), (g_first, g_n)) for g_first, g_n, t_first, t_n in splits(p)]
+    return pairs
+
+
 # ------------------------------------------------------------------------------------------------
-# Pins: checked up front, each error names its field
+# Pins: accepted exactly when the enumeration above can lay them out; each refusal names its field
+
+# Which pins each kind of role's layout reads: a trainer mesh is dp x fsdp x tp x pp with a sharding and
+# optional offload; a generator is dp replicas of tp shards in some precision, on an engine.
+_AXES = {"train": ("dp", "fsdp", "tp", "pp"), "generate": ("dp", "tp")}
+_USED = {"train": {"devices", "dp", "fsdp", "tp", "pp", "sharding", "offload"},
+         "generate": {"devices", "dp", "tp", "precision", "engine"}}
 
 
-def check_pins(p: Problem) -> None:
-    names = {r.name: r for r in p.roles}
-    for key, hint in p.hints.roles.items():
+def check_pins(graph: JobGraph, cluster: ClusterSpec | None, target: Target = "preview",
+               hw: HardwareSpec | None = None) -> tuple[str, ...]:
+    """Refuse every pin under `placement` the search would not lay out, naming its field; return warnings
+    about pins no layout reads. A pin is checked against the model (tp splits its heads, pp its layers),
+    against what the executors run for `target` (`graphrl.schemas.capabilities`: a ZeRO stage on one
+    data-parallel rank, an fp8 trainer and, for `run`, a pp > 1; `compile` still lays out a pinned pp for
+    the preview) and, once the cluster is known (`compile`, or `validate` of a job that names its cluster),
+    against the meshes this module enumerates on it and its hardware (`hw`, or the cluster's, resolved as
+    `compile` does: fp8 generation needs fp8 hardware). Typecheck (`validate` and the first pass of
+    `compile`) and the search (`make_problem`) both call it."""
+    job = graph.job
+    roles = {r.name: r for r in derive_roles(graph)}
+    for i, group in enumerate(job.placement.colocate):
+        for name in group:
+            if name not in roles:
+                raise PlacementError(f"unknown role {name!r} in a colocate group", path=("placement", "colocate", i),
+                                     fix=f"roles of this job: {', '.join(roles)}")
+    # The search lays out the first trained model's mesh (every train and frozen role shares it) and the
+    # first generator; a pin on any other role is not read.
+    policy = next((r for r in roles.values() if r.kind == "train"), None)
+    generator = next((r for r in roles.values() if r.kind == "generate"), None)
+    space = None
+    if cluster is not None and policy is not None:
+        hw = hw if hw is not None else resolve_hardware(cluster)
+        space = SearchSpace(tuple(roles.values()), cluster, hw, job.placement, target)
+    warnings: list[str] = []
+    for key, hint in job.placement.roles.items():
         path = ("placement", "roles", key)
-        role = names.get(key)
+        role = roles.get(key)
         if role is None:
             raise PlacementError(f"unknown role {key!r}", path=path,
-                                 fix=f"use one of the roles: {', '.join(names)}")
-        if hint.tp and not _tp_ok(role, hint.tp):
-            raise PlacementError(
-                f"tp {hint.tp} does not divide the {role.dims.num_heads} attention heads / "
-                f"{role.dims.num_kv_heads} KV heads of {role.model}", path=path + ("tp",),
-                fix="use a tp that divides the number of heads (1, 2, 4, 8 ...)")
-        if hint.pp and hint.pp > role.dims.num_layers:
-            raise PlacementError(f"pp {hint.pp} is larger than the {role.dims.num_layers} layers of {role.model}",
-                                 path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
-        if hint.devices:
-            first, stop = parse_device_range(hint.devices)
-            if stop > p.num_devices:
-                raise PlacementError(
-                    f"device range {hint.devices!r} is outside the cluster's {p.num_devices} devices "
-                    f"(0-{p.num_devices - 1})", path=path + ("devices",), fix="pin a range inside the cluster")
-        if hint.precision is not None and (refusal := precision_refusal(
-                role.kind, hint.precision, hardware_fp8=hardware_has_fp8(p.hw))) is not None:
-            raise PlacementError(f"{refusal.why} (hardware {p.hw.name})", path=path + ("precision",), fix=refusal.fix)
-    for i, group in enumerate(p.hints.colocate):
-        for name in group:
-            if name not in names:
-                raise PlacementError(f"unknown role {name!r} in colocate group", path=("placement", "colocate", i),
-                                     fix=f"use roles: {', '.join(names)}")
+                                 fix=f"roles of this job: {', '.join(roles)} (a model's training copy is named "
+                                     "after the model, its generation copy '<model>/generate')")
+        _check_generation_only_pins(role, hint, path)
+        pinned = {f for f, v in hint.model_dump().items() if v is not None}
+        if policy is None or role not in (policy, generator):
+            if pinned:
+                owner = policy.name if policy is not None else "the trainer"
+                warnings.append(f"{'.'.join(path)}: ignored: {key!r} runs on the trainer's mesh in the layout "
+                                f"of {owner!r}; pin {owner!r} instead")
+            continue
+        unused = sorted(pinned - _USED[role.kind])
+        if unused:
+            warnings.append(f"{'.'.join(path)}: {', '.join(unused)} ignored: a {role.kind} role's layout has no "
+                            f"{'/'.join(unused)}")
+        if hint.devices is not None and job.placement.strategy == "colocated":
+            warnings.append(f"{'.'.join(path)}.devices: ignored: a colocated layout puts every role on every device")
+        _check_pin_values(role, hint, path, target, space.hw if space is not None else None)
+        if space is not None:
+            _check_pin_meshes(space, role, hint, path)
+    if space is not None and generator is not None:
+        _check_common_split(space)
+    return tuple(warnings)
+
+
+def _check_generation_only_pins(role: Role, hint: RoleHint, path: tuple[str, ...]) -> None:
+    """A precision and an engine are choices of a generation copy."""
+    if hint.precision is not None and role.kind != "generate":
+        refusal = precision_refusal(role.kind, hint.precision, hardware_fp8=True)
+        raise PlacementError(f"only generation copies have a precision{f' ({refusal.why})' if refusal else ''}",
+                             path=path + ("precision",), fix=f"pin precision on '{role.model}/generate'")
+    if hint.engine is not None and role.kind != "generate":
+        raise PlacementError(f"only generation copies run on an engine; {role.name!r} is a {role.kind} role",
+                             path=path + ("engine",), fix=f"pin engine on '{role.model}/generate'")
+
+
+def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target: Target,
+                      hw: HardwareSpec | None) -> None:
+    """Each pinned value is one the enumeration takes for this role whatever the mesh: an installed engine
+    that holds the other pins, a tp that splits the model, a pp within its layers (and none for `run`), a
+    precision the hardware computes in (once the hardware is known)."""
+    if hint.engine is not None:
+        engine = hint.engine
+        if not engine_available(engine):
+            raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
+                                 path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")
+        max_tp = ENGINE_MAX_TP[engine]
+        if max_tp is not None and hint.tp is not None and hint.tp > max_tp:
+            raise PlacementError(f"engine {engine!r} runs one replica per rank here (tp <= {max_tp}), tp {hint.tp} "
+                                 "is pinned", path=path + ("tp",),
+                                 fix=f"pin tp: {max_tp} (more replicas with dp), or engine: native")
+        if hint.precision is not None and hint.precision not in ENGINE_PRECISIONS[engine]:
+            raise PlacementError(f"engine {engine!r} does not run precision {hint.precision!r}",
+                                 path=path + ("precision",),
+                                 fix=f"use precision: {' or '.join(ENGINE_PRECISIONS[engine])}, or engine: native")
+    if role.kind == "train" and hint.pp is not None and target == "run" and \
+            (refusal := train_layout_refusal(dp=1, fsdp=1, tp=1, pp=hint.pp, sharding="none")) is not None:
+        raise PlacementError(refusal.why, path=path + ("pp",), fix=refusal.fix)
+    if hint.tp is not None and (why := tp_split_problem(role.dims, hint.tp, role.kind)) is not None:
+        valid = [t for t in range(1, role.dims.num_heads + 1) if tp_split_problem(role.dims, t, role.kind) is None]
+        raise PlacementError(f"{why} (model {role.model!r})", path=path + ("tp",),
+                             fix=f"use a tp that splits this model: {', '.join(map(str, valid))}")
+    if role.kind == "train" and hint.pp is not None and hint.pp > role.dims.num_layers:
+        raise PlacementError(f"pp {hint.pp} is larger than the {role.dims.num_layers} layers of {role.model}",
+                             path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
+    if hint.precision is not None and hw is not None and \
+            (refusal := precision_refusal(role.kind, hint.precision, hardware_fp8=hardware_has_fp8(hw))) is not None:
+        raise PlacementError(f"{refusal.why} (hardware {hw.name})", path=path + ("precision",), fix=refusal.fix)
+
+
+def _check_pin_meshes(p: SearchSpace, role: Role, hint: RoleHint, path: tuple[str, ...]) -> None:
+    """The role's pinned range lies in the cluster, and the enumeration lays out the role on some mesh the
+    search gives it; if on none, the refusal names the pin that leaves it nothing."""
+    n = p.num_devices
+    if hint.devices is not None and parse_device_range(hint.devices)[1] > n:
+        raise PlacementError(f"device range {hint.devices!r} is outside the cluster's {n} devices (0-{n - 1})",
+                             path=path + ("devices",), fix="pin a range inside the cluster")
+    pairs = mesh_pairs(p)
+    meshes = [t for t, _ in pairs] if role is p.policy else [g for _, g in pairs if g is not None]
+    if not meshes:
+        raise PlacementError(f"the device ranges leave {role.name!r} no devices", path=path + ("devices",),
+                             fix="pin ranges that split the cluster between the trainer and the generator")
+    cfgs = train_cfgs if role is p.policy else gen_cfgs
+    if any(cfgs(p, first, size) for first, size in meshes):
+        return
+    sizes = {size for _, size in meshes}
+    where = _where(sizes, hint.devices, strategies(p) == ["colocated"])
+    axes = {a: getattr(hint, a) for a in _AXES[role.kind] if getattr(hint, a) is not None}
+    for axis, size in axes.items():
+        if size > max(sizes):
+            raise PlacementError(f"{axis} {size} needs {size} devices; the mesh of {role.name!r} has {where}",
+                                 path=path + (axis,), fix=f"pin {axis} <= {max(sizes)}, or use a larger cluster")
+    product = math.prod(axes.values())
+    spelled = " x ".join(f"{a} {v}" for a, v in axes.items())
+    if not any(s % product == 0 for s in sizes):
+        if len(axes) == 1:
+            (axis,) = axes
+            raise PlacementError(f"{axis} {product} does not divide {where}", path=path + (axis,),
+                                 fix="pin a size that divides the mesh's devices")
+        raise PlacementError(f"{spelled} = {_devices(product)} do not divide {where}", path=path,
+                             fix="pin axes whose product divides the mesh's devices")
+    if len(axes) == len(_AXES[role.kind]) and product not in sizes:
+        raise PlacementError(f"{spelled} = {_devices(product)}, but the mesh of {role.name!r} has {where}", path=path,
+                             fix=f"make the product of {', '.join(_AXES[role.kind])} equal the mesh's devices, "
+                                 "or leave one axis unpinned")
+    if role.kind == "train":  # trainer meshes of the pinned shape exist, and the capability table refuses them
+        shardings = [hint.sharding] if hint.sharding else SHARDINGS
+        refusals = [r for s in sorted(sizes) for tp, pp, dp, fsdp in train_shapes(role, hint, s, p.per_node)
+                    for sharding in shardings
+                    if (r := train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)) is not None]
+        if refusals:
+            refusal = refusals[0]
+            field_ = refusal.field if getattr(hint, refusal.field, None) is not None else "sharding"
+            raise PlacementError(f"{refusal.why}; the executors do not run it on {where}", path=path + (field_,),
+                                 fix=refusal.fix)
+    raise PlacementError(f"no {' x '.join(_AXES[role.kind])} layout of {where} holds these pins", path=path,
+                         fix="loosen one of the pinned axes")
+
+
+def _check_common_split(p: SearchSpace) -> None:
+    """Each role's pins hold on some mesh of their own; both must hold on the same pair of meshes."""
+    generator = p.generator
+    assert generator is not None
+    pairs = [(t, g) for t, g in mesh_pairs(p) if g is not None]
+    if any(train_cfgs(p, *t) and gen_cfgs(p, *g) for t, g in pairs):
+        return
+    spelled = ", ".join(f"both on {t[1]}" if t == g else f"{t[1]}+{g[1]}" for t, g in pairs)
+    raise PlacementError(f"the pins of {p.policy.name!r} and {generator.name!r} fit no common split of the "
+                         f"{p.num_devices} devices (trainer+generator: {spelled})", path=("placement", "roles"),
+                         fix="loosen the pins of one of the two roles")
+
+
+def _where(sizes: set[int], own_range: str | None, colocated_only: bool) -> str:
+    if colocated_only:
+        return f"the {max(sizes)} devices of the cluster (a colocated layout uses them all)"
+    if own_range is not None and len(sizes) == 1:
+        return f"the {_devices(max(sizes))} of its range {own_range!r}"
+    return f"{' or '.join(map(str, sorted(sizes)))} devices"
+
+
+def _devices(n: int) -> str:
+    return f"{n} device" if n == 1 else f"{n} devices"
 
 
 def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec, target: Target = "preview") -> Problem:
     roles = derive_roles(graph)
     if not any(r.kind == "train" for r in roles):
         raise PlacementError("the job trains no model", path=("nodes",), fix="add a train node")
+    check_pins(graph, cluster, target, hw)
     # The calibrated figures of this job's ranks: their threads, the trained models' width.
     hw = hw.for_rank(graph.job.run.threads_per_rank, max(r.dims.hidden_size for r in roles if r.kind == "train"))
-    p = Problem(tuple(roles), derive_workload(graph), cluster, hw, graph.job.placement, graph.job.schedule.mode,
-                target)
-    check_pins(p)
-    return p
+    return Problem(roles=tuple(roles), cluster=cluster, hw=hw, hints=graph.job.placement, target=target,
+                   workload=derive_workload(graph), mode=graph.job.schedule.mode)

@@ -2,7 +2,7 @@
 disaggregated device splits.
 
 One enumeration serves the search (`compiler/placement.py`) and the up-front pin checks
-(`compiler/typecheck.py`), so a pin typecheck accepts is one the search can lay out.
+(`compiler/candidates.py`, `check_pins`), so a pin the checks accept is one the search can lay out.
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ def pow2_upto(n: int) -> list[int]:
 
 def tp_choices(role: Role, hint: RoleHint, num_devices: int, devices_per_node: int) -> list[int]:
     """The tp degrees tried for `role` on `num_devices` devices: the pinned one, or every power of two
-    up to two nodes' worth that splits the model evenly."""
-    if hint.tp:
-        return [hint.tp]
-    return [t for t in pow2_upto(min(num_devices, 2 * devices_per_node))
-            if tp_split_problem(role.dims, t, role.kind) is None]
+    up to two nodes' worth; either only where it splits the model evenly."""
+    tried = [hint.tp] if hint.tp else pow2_upto(min(num_devices, 2 * devices_per_node))
+    return [t for t in tried if tp_split_problem(role.dims, t, role.kind) is None]
 
 
 def train_shapes(role: Role, hint: RoleHint, num_devices: int, devices_per_node: int) -> list[tuple[int, int, int, int]]:
@@ -37,7 +35,7 @@ def train_shapes(role: Role, hint: RoleHint, num_devices: int, devices_per_node:
     out = []
     for tp in tp_choices(role, hint, num_devices, devices_per_node):
         for pp in pps:
-            if num_devices % (tp * pp):
+            if num_devices % (tp * pp) or pp > role.dims.num_layers:  # a stage holds at least one layer
                 continue
             d = num_devices // (tp * pp)
             if hint.dp and hint.fsdp:  # both pinned: both honoured (their product must fill the mesh)

@@ -39,7 +39,7 @@ from graphrl.schemas.program import CostKey
 from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 
 from graphrl.compiler import cost, timing
-from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, Strategy, TrainCfg, gen_cfgs, splits,
+from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
 from graphrl.compiler.memory import (MeshMemory, gen_per_sequence, gen_weights, infer_state, resident_while_generating,
                                      train_state, trainer_mesh_memory)
@@ -276,29 +276,13 @@ class SearchResult:
     rejected: list[Evaluated]
 
 
-def _strategies(p: Problem) -> list[Strategy]:
-    hints = p.hints
-    gen = p.generator
-    forced: Strategy | None = None if hints.strategy == "auto" else hints.strategy  # type: ignore[assignment]
-    for group in hints.colocate:
-        if gen is not None and gen.name in group and p.policy.name in group:
-            if forced == "disaggregated":
-                raise PlacementError(
-                    f"colocate group {group} puts {gen.name!r} with {p.policy.name!r}, but strategy is disaggregated",
-                    path=("placement", "colocate"), fix="drop the group or set strategy: colocated")
-            forced = "colocated"
-    if gen is None:
-        return ["colocated"]
-    return [forced] if forced else ["colocated", "disaggregated"]
-
-
 def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResult:
     """Enumerate, evaluate and rank candidates. Raises PlacementError when none fits."""
     evaluated: list[Evaluated] = []
     considered = 0
-    strategies = _strategies(p)
+    families = strategies(p)
     colocated: list[Evaluated] = []
-    if "colocated" in strategies or True:  # the colocated-synchronous baseline is always computed
+    if "colocated" in families or True:  # the colocated-synchronous baseline is always computed
         n = p.num_devices
         gens = gen_cfgs(p, 0, n) if p.generator else [None]
         for train in train_cfgs(p, 0, n):
@@ -307,9 +291,9 @@ def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResu
             for gen in gens:
                 considered += 1
                 colocated.append(evaluate_colocated(p, train, gen, mem=mem, times=times))
-    if "colocated" in strategies:
+    if "colocated" in families:
         evaluated.extend(colocated)
-    if "disaggregated" in strategies:
+    if "disaggregated" in families:
         for g_first, g_n, t_first, t_n in splits(p):
             gen_ranked: list[tuple[float, str, GenCfg]] = []
             for gen in gen_cfgs(p, g_first, g_n):

@@ -8,35 +8,31 @@ Checks, each failing with the place in the job file and a fix:
   group size, response length): one union-find over (node, symbol) pairs, walked in topological order
   so a conflict is reported at the first input that contradicts what is already known;
 - reward functions and tasks resolve; a KL penalty has its reference log-probs;
-- placement pins name roles of the job and can be held: tp splits the model's heads, pp its layers and,
-  once the cluster is known (`graphrl compile`, or `validate` of a job that names its cluster), every
-  pinned axis and their product fit the devices the role's mesh can have. A pin the hardware cannot
-  hold is refused here, naming the field, instead of leaving the search without a candidate or the
-  run to crash. So is a pin the executors do not run (`graphrl.schemas.capabilities`): a ZeRO stage
-  with one data-parallel rank, an fp8 trainer, and, for `run` (and `validate`), a pp > 1 or a float16
-  trainer; `compile` still lays those out for the preview.
+- for `run` (and `validate`), every model's dtype is one the executors run (not a float16 trainer);
+- placement pins are ones the placement search can lay out (`graphrl.compiler.candidates.check_pins`, the
+  one check of them, which the search runs too): against the model, what the executors run, and, once
+  the cluster is known (`graphrl compile`, or `validate` of a job that names its cluster), the meshes the
+  search enumerates on it and its hardware. A pin is refused here naming its field, instead of leaving
+  the search without a candidate or the run to crash.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Hashable
 
 import networkx as nx
 
-from graphrl.engine_support import ENGINE_MAX_TP, ENGINE_PRECISIONS, VLLM_INSTALL, engine_available
 from graphrl.errors import JobError, PlacementError
 from graphrl.ir import DataEdge, JobGraph
 from graphrl.ops import OPS, op_kind
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
-from graphrl.schemas.capabilities import Refusal, Target, dtype_refusal, precision_refusal, train_layout_refusal
+from graphrl.schemas.capabilities import Target, dtype_refusal
 from graphrl.schemas.cluster import ClusterSpec
-from graphrl.schemas.job import RoleHint, parse_device_range
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
 
-from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
-from graphrl.compiler.roles import Role, derive_roles
+from graphrl.compiler.candidates import check_pins
+from graphrl.compiler.roles import derive_roles
 
 
 @dataclass
@@ -288,202 +284,14 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
     return tuple(warnings)
 
 
-# --- placement pins -----------------------------------------------------------------------------------
-
-# Which pins each kind of role's layout reads: a trainer mesh is dp x fsdp x tp x pp with a sharding and
-# optional offload; a generator is dp replicas of tp shards in some precision.
-_AXES = {"train": ("dp", "fsdp", "tp", "pp"), "generate": ("dp", "tp")}
-_USED = {"train": {"devices", "dp", "fsdp", "tp", "pp", "sharding", "offload"},
-         "generate": {"devices", "dp", "tp", "precision", "engine"}}
-
-
-def _mesh_splits(job, policy: Role | None, generator: Role | None, cluster: ClusterSpec) -> list[tuple[int, int]]:  # noqa: ANN001
-    """(trainer devices, generator devices) of every mesh split the placement search tries: the whole
-    cluster for both when colocated (device ranges do not apply there), and for disaggregated layouts
-    the pinned ranges (one range implies the other) or every split at node granularity."""
-    placement, n = job.placement, cluster.num_devices
-    together = generator is None or any(generator.name in g and policy is not None and policy.name in g
-                                        for g in placement.colocate)
-    splits = [] if placement.strategy == "disaggregated" and not together else [(n, n)]
-    if together or placement.strategy == "colocated":
-        return splits
-    hints = placement.roles
-    own = {r: hints[r.name].devices for r in (policy, generator) if r is not None and r.name in hints}
-    pairs = device_splits(n, cluster.devices_per_node, own.get(generator), own.get(policy))
-    return splits + [(t_n, g_n) for _, g_n, _, t_n in pairs]
-
-
-def _layout_exists(role: Role, hint: RoleHint, size: int, per_node: int) -> bool:
-    """Whether some layout of `size` devices that the search enumerates honours the role's pins."""
-    shapes = generate_shapes if role.kind == "generate" else train_shapes
-    return bool(shapes(role, hint, size, per_node))
-
-
-def _train_refusals(role: Role, hint: RoleHint, size: int, per_node: int, target: Target) -> list[Refusal] | None:
-    """None when some trainer layout of `size` devices honouring the pins runs (for a preview: also one
-    whose only preview-only choice is the pinned pp); else why each pinned layout does not."""
-    shardings = [hint.sharding] if hint.sharding else ["none", "zero1", "zero2", "fsdp"]
-    refusals = []
-    for tp, pp, dp, fsdp in train_shapes(role, hint, size, per_node):
-        for sharding in shardings:
-            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
-            if refusal is None or (target == "preview" and refusal.field == "pp"):
-                return None
-            refusals.append(refusal)
-    return refusals
-
-
-def _where(sizes: set[int], own_range: str | None, colocated_only: bool) -> str:
-    if colocated_only:
-        return f"the {max(sizes)} devices of the cluster (a colocated layout uses them all)"
-    if own_range is not None and len(sizes) == 1:
-        return f"the {_devices(max(sizes))} of its range {own_range!r}"
-    return f"{' or '.join(map(str, sorted(sizes)))} devices"
-
-
-def _devices(n: int) -> str:
-    return f"{n} device" if n == 1 else f"{n} devices"
-
-
-def _check_pin_devices(job, key: str, role: Role, hint: RoleHint, policy: Role, generator: Role | None,  # noqa: ANN001
-                       cluster: ClusterSpec, target: Target) -> None:
-    """The role's pinned range lies in the cluster, and its pinned axes fit a mesh the search can give it."""
-    path, n = ("placement", "roles", key), cluster.num_devices
-    if hint.devices is not None and parse_device_range(hint.devices)[1] > n:
-        raise PlacementError(f"device range {hint.devices!r} is outside the cluster's {n} devices (0-{n - 1})",
-                             path=path + ("devices",), fix="pin a range inside the cluster")
-    splits = _mesh_splits(job, policy, generator, cluster)
-    sizes = {pair[0 if role is policy else 1] for pair in splits}
-    if not sizes:
-        raise PlacementError(f"the device ranges leave {key!r} no devices", path=path + ("devices",),
-                             fix="pin ranges that split the cluster between the trainer and the generator")
-    where = _where(sizes, hint.devices, splits == [(n, n)])
-    axes = {a: getattr(hint, a) for a in _AXES[role.kind] if getattr(hint, a) is not None}
-    for axis, size in axes.items():
-        if size > max(sizes):
-            raise PlacementError(f"{axis} {size} needs {size} devices; the mesh of {key!r} has {where}",
-                                 path=path + (axis,), fix=f"pin {axis} <= {max(sizes)}, or use a larger cluster")
-    product = math.prod(axes.values())
-    spelled = " x ".join(f"{a} {v}" for a, v in axes.items())
-    if not any(s % product == 0 for s in sizes):
-        if len(axes) == 1:
-            (axis,) = axes
-            raise PlacementError(f"{axis} {product} does not divide {where}", path=path + (axis,),
-                                 fix="pin a size that divides the mesh's devices")
-        raise PlacementError(f"{spelled} = {_devices(product)} do not divide {where}", path=path,
-                             fix="pin axes whose product divides the mesh's devices")
-    if len(axes) == len(_AXES[role.kind]) and product not in sizes:
-        raise PlacementError(f"{spelled} = {_devices(product)}, but the mesh of {key!r} has {where}", path=path,
-                             fix=f"make the product of {', '.join(_AXES[role.kind])} equal the mesh's devices, "
-                                 "or leave one axis unpinned")
-    if not any(_layout_exists(role, hint, s, cluster.devices_per_node) for s in sizes):
-        raise PlacementError(f"no {' x '.join(_AXES[role.kind])} layout of {where} holds these pins", path=path,
-                             fix="loosen one of the pinned axes")
-    if role.kind == "train":
-        found = [_train_refusals(role, hint, s, cluster.devices_per_node, target) for s in sorted(sizes)]
-        if all(f is not None for f in found):
-            refusal = next(r for f in found if f for r in f)
-            field = refusal.field if getattr(hint, refusal.field, None) is not None else "sharding"
-            raise PlacementError(f"{refusal.why}; the executors do not run it on {where}", path=path + (field,),
-                                 fix=refusal.fix)
-
-
-def _check_pins_share_a_split(job, policy: Role, generator: Role, cluster: ClusterSpec) -> None:  # noqa: ANN001
-    """Each role's pins fit some mesh on their own; both must fit the same split of the cluster."""
-    def holds(role: Role, size: int) -> bool:
-        hint = job.placement.roles.get(role.name)
-        return hint is None or _layout_exists(role, hint, size, cluster.devices_per_node)
-
-    splits = _mesh_splits(job, policy, generator, cluster)
-    if not any(holds(policy, t) and holds(generator, g) for t, g in splits):
-        n = cluster.num_devices
-        pairs = ", ".join(f"both on {t}" if (t, g) == (n, n) else f"{t}+{g}" for t, g in splits)
-        raise PlacementError(f"the pins of {policy.name!r} and {generator.name!r} fit no common split of the "
-                             f"{n} devices (trainer+generator: {pairs})", path=("placement", "roles"),
-                             fix="loosen the pins of one of the two roles")
-
-
-def _check_pins(graph: JobGraph, cluster: ClusterSpec | None, target: Target = "preview") -> tuple[str, ...]:
-    """Refuse pins no layout can hold (against the model, and against the cluster when it is known) and
-    pins the executors do not run; warn about pins that the role's layout does not read."""
-    job = graph.job
-    placement = job.placement
-    roles = {r.name: r for r in derive_roles(graph)}
-    if target == "run":
-        for r in roles.values():
-            if (refusal := dtype_refusal(r.kind, job.models[r.model].dtype)) is not None:
-                raise PlacementError(refusal.why, path=("models", r.model, "dtype"), fix=refusal.fix)
-    # The search lays out the first trained model's mesh (every train and frozen role shares it) and the
-    # first generator; see compiler/placement.py.
-    policy = next((r for r in roles.values() if r.kind == "train"), None)
-    generator = next((r for r in roles.values() if r.kind == "generate"), None)
-    warnings: list[str] = []
-    for i, group in enumerate(placement.colocate):
-        for name in group:
-            if name not in roles:
-                raise PlacementError(f"unknown role {name!r} in a colocate group", path=("placement", "colocate", i),
-                                     fix=f"roles of this job: {', '.join(roles)}")
-    for key, hint in placement.roles.items():
-        path = ("placement", "roles", key)
-        role = roles.get(key)
-        if role is None:
-            raise PlacementError(f"unknown role {key!r}", path=path,
-                                 fix=f"roles of this job: {', '.join(roles)} (a model's training copy is named "
-                                     "after the model, its generation copy '<model>/generate')")
-        pinned = {f for f, v in hint.model_dump().items() if v is not None}
-        if hint.precision is not None and role.kind != "generate":
-            refusal = precision_refusal(role.kind, hint.precision, hardware_fp8=True)
-            raise PlacementError(f"only generation copies have a precision{f' ({refusal.why})' if refusal else ''}",
-                                 path=path + ("precision",), fix=f"pin precision on '{role.model}/generate'")
-        if target == "run" and role.kind == "train" and hint.pp is not None and \
-                (refusal := train_layout_refusal(dp=1, fsdp=1, tp=1, pp=hint.pp, sharding="none")) is not None:
-            raise PlacementError(refusal.why, path=path + ("pp",), fix=refusal.fix)
-        if hint.engine is not None:
-            _check_engine_pin(hint, role, path)
-        if policy is None or role not in (policy, generator):
-            if pinned:
-                owner = policy.name if policy is not None else "the trainer"
-                warnings.append(f"{'.'.join(path)}: ignored: {key!r} runs on the trainer's mesh in the layout "
-                                f"of {owner!r}; pin {owner!r} instead")
-            continue
-        unused = sorted(pinned - _USED[role.kind])
-        if unused:
-            warnings.append(f"{'.'.join(path)}: {', '.join(unused)} ignored: a {role.kind} role's layout has no "
-                            f"{'/'.join(unused)}")
-        if hint.devices is not None and placement.strategy == "colocated":
-            warnings.append(f"{'.'.join(path)}.devices: ignored: a colocated layout puts every role on every device")
-        if hint.tp is not None and (why := tp_split_problem(role.dims, hint.tp, role.kind)) is not None:
-            valid = [t for t in range(1, role.dims.num_heads + 1) if tp_split_problem(role.dims, t, role.kind) is None]
-            raise PlacementError(f"{why} (model {role.model!r})", path=path + ("tp",),
-                                 fix=f"use a tp that splits this model: {', '.join(map(str, valid))}")
-        if role.kind == "train" and hint.pp is not None and hint.pp > role.dims.num_layers:
-            raise PlacementError(f"pp {hint.pp} is larger than the {role.dims.num_layers} layers of {role.model}",
-                                 path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
-        if cluster is not None:
-            _check_pin_devices(job, key, role, hint, policy, generator, cluster, target)
-    if cluster is not None and policy is not None and generator is not None:
-        _check_pins_share_a_split(job, policy, generator, cluster)
-    return tuple(warnings)
-
-
-def _check_engine_pin(hint: RoleHint, role: Role, path: tuple[str, ...]) -> None:
-    """An engine is a choice of a generation copy, and it must be installed and able to hold the other pins."""
-    engine = hint.engine
-    assert engine is not None
-    if role.kind != "generate":
-        raise PlacementError(f"only generation copies run on an engine; {role.name!r} is a {role.kind} role",
-                             path=path + ("engine",), fix=f"pin engine on '{role.model}/generate'")
-    if not engine_available(engine):
-        raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
-                             path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")
-    max_tp = ENGINE_MAX_TP[engine]
-    if max_tp is not None and hint.tp is not None and hint.tp > max_tp:
-        raise PlacementError(f"engine {engine!r} runs one replica per rank here (tp <= {max_tp}), tp {hint.tp} is pinned",
-                             path=path + ("tp",), fix=f"pin tp: {max_tp} (more replicas with dp), or engine: native")
-    if hint.precision is not None and hint.precision not in ENGINE_PRECISIONS[engine]:
-        raise PlacementError(f"engine {engine!r} does not run precision {hint.precision!r}",
-                             path=path + ("precision",),
-                             fix=f"use precision: {' or '.join(ENGINE_PRECISIONS[engine])}, or engine: native")
+def _check_model_dtypes(graph: JobGraph, target: Target) -> None:
+    """For `run`, every model's dtype is one the executors run for each of its roles (a float16 trainer is
+    preview-only: `graphrl.schemas.capabilities`)."""
+    if target != "run":
+        return
+    for role in derive_roles(graph):
+        if (refusal := dtype_refusal(role.kind, graph.job.models[role.model].dtype)) is not None:
+            raise PlacementError(refusal.why, path=("models", role.model, "dtype"), fix=refusal.fix)
 
 
 def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Target = "preview") -> JobGraph:
@@ -499,7 +307,8 @@ def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Targe
     _check_consumed(graph)
     sizes = _unify_shapes(graph)
     _check_references(graph)
-    warnings = _check_algorithm(graph) + _check_pins(graph, cluster, target)
+    _check_model_dtypes(graph, target)
+    warnings = _check_algorithm(graph) + check_pins(graph, cluster, target)
     return graph.with_sizes(sizes).with_warnings(*warnings)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import graphrl.compiler.typecheck as typecheck_module
+import graphrl.compiler.candidates as candidates_module
 from graphrl.cli import job_cluster, main
 from graphrl.compiler.compile import compile_job
 from graphrl.executors.engines import NativeEngine, GenerationRequest, response_seed, response_uniforms
@@ -31,7 +31,7 @@ def _plan(*sets: str):  # noqa: ANN202
 
 
 def test_validate_refuses_vllm_where_it_cannot_be_imported(monkeypatch) -> None:
-    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: engine == "native")
+    monkeypatch.setattr(candidates_module, "engine_available", lambda engine: engine == "native")
     result = CliRunner().invoke(main, ["validate", JOB, "--set", "placement.roles.policy/generate.engine=vllm"])
     assert result.exit_code == 2
     assert "placement.roles.policy/generate.engine" in result.output
@@ -45,7 +45,7 @@ def test_an_engine_pin_on_a_training_role_is_refused() -> None:
 
 
 def test_vllm_with_a_tensor_parallel_pin_is_refused(monkeypatch) -> None:
-    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: True)
+    monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
     result = CliRunner().invoke(main, ["validate", JOB, "--set", "placement.roles.policy/generate.engine=vllm",
                                        "--set", "placement.roles.policy/generate.tp=2"])
     assert result.exit_code == 2
@@ -55,7 +55,7 @@ def test_vllm_with_a_tensor_parallel_pin_is_refused(monkeypatch) -> None:
 def test_the_plan_carries_the_engine_and_the_preview_names_it(monkeypatch) -> None:
     native = _plan()
     assert [p.engine for p in native.chosen.placements if p.kind == "generate"] == ["native"]
-    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: True)
+    monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
     plan = _plan("placement.roles.policy/generate.engine=vllm")
     generators = [p for p in plan.chosen.placements if p.kind == "generate"]
     assert [(p.engine, p.tp, p.precision) for p in generators] == [("vllm", 1, "bf16")]
@@ -107,7 +107,7 @@ def test_a_calibrated_engine_scales_the_predicted_generation_time(monkeypatch) -
     resolve = compile_module.resolve_hardware
     monkeypatch.setattr(compile_module, "resolve_hardware",
                         lambda cluster: resolve(cluster).model_copy(update={"engines": (measured,)}))
-    monkeypatch.setattr(typecheck_module, "engine_available", lambda engine: True)
+    monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
     sets = ("placement.strategy=colocated",)
     native = _plan(*sets).programs.durations
     vllm = _plan(*sets, "placement.roles.policy/generate.engine=vllm").programs.durations
