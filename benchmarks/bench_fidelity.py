@@ -2,8 +2,9 @@
 
     python benchmarks/bench_fidelity.py [--cases tiny,smollm2,...] [--calibration FILE] [--out DIR]
 
-1. Calibrates once (`graphrl calibrate` with every case's job file, so the matmul shapes, vocabulary work
-   and optimizer of their models are measured in their dtype and threads), unless a file is given.
+1. Writes each case's job (an example with the case's overrides) to a job file of its own, then calibrates
+   once (`graphrl calibrate` with all of them, so the matmul shapes, vocabulary work, optimizer and model
+   code of each case's job are measured in its dtype, threads and sizes), unless a file is given.
 2. For each case: runs the job (`graphrl run`, the plan compiled with that calibration) for enough steps
    to pass warm-up, and reads the run's report (`graphrl.report.build_report`): the measured median
    seconds per step after warm-up and per phase, beside the plan's prediction (the simulator's steady
@@ -69,8 +70,16 @@ def checked(proc: subprocess.CompletedProcess, what: str) -> subprocess.Complete
     return proc
 
 
-def sets(case: Case) -> list[str]:
-    return [arg for o in case.overrides for arg in ("--set", o)]
+def write_job(case: Case, path: Path) -> str:
+    """The case's job with its overrides applied, as a job file of its own (its checkpoint and dataset
+    paths absolute), so that calibration measures exactly the job each case runs."""
+    import yaml
+
+    from graphrl.loader import apply_overrides, load_job, parse_override
+
+    loaded = apply_overrides(load_job(EXAMPLES / case.job), [parse_override(o) for o in case.overrides])
+    path.write_text(yaml.safe_dump(loaded.spec.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    return str(path)
 
 
 def predicted_phases(plan_path: Path) -> tuple[float, dict[str, float]]:
@@ -87,18 +96,18 @@ def predicted_phases(plan_path: Path) -> tuple[float, dict[str, float]]:
     return plan.chosen.estimate.step_time_s, phases
 
 
-def run_case(key: str, case: Case, calibration: str, out: Path) -> dict:
+def run_case(key: str, case: Case, job: str, calibration: str, out: Path) -> dict:
     from graphrl.report import build_report
 
     run_dir = out / key
-    checked(graphrl("run", case.job, "--steps", str(case.steps), "--out", str(run_dir), "--overwrite", "-q",
-                    *sets(case), calibration=calibration), f"run of {key}")
+    checked(graphrl("run", job, "--steps", str(case.steps), "--out", str(run_dir), "--overwrite", "-q",
+                    calibration=calibration), f"run of {key}")
     report = build_report(run_dir, warmup_steps=case.warmup).data
     steady = [r["measured_s"] for r in report["step_times"] if not r["warmup"] and r["measured_s"] is not None]
     measured_step = statistics.median(steady)
     phases = {r["phase"]: (r["predicted_s"], r["measured_s"]) for r in report["phases"]["rows"]}
     default_plan = out / f"{key}-default.plan"
-    default = graphrl("compile", case.job, "-o", str(default_plan), *sets(case), calibration="none")
+    default = graphrl("compile", job, "-o", str(default_plan), calibration="none")
     # The defaults describe a small device (4 GiB); a job larger than that has no default prediction.
     default_step, default_phases = predicted_phases(default_plan) if default.returncode == 0 else (None, {})
     return {"case": case.name, "measured": measured_step, "predicted": report["summary"]["predicted_step_time_s"],
@@ -127,17 +136,17 @@ def main() -> None:
         sys.exit(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     out = args.out or Path(tempfile.mkdtemp(prefix="graphrl-fidelity-"))
     out.mkdir(parents=True, exist_ok=True)
+    jobs = {key: write_job(CASES[key], out / f"{key}.yaml") for key in keys}
     calibration = args.calibration
     if calibration is None:
         calibration = str(out / "calibration.json")
-        jobs = sorted({CASES[k].job for k in keys})
-        print(f"calibrating with {', '.join(jobs)} ...", flush=True)
-        checked(graphrl("calibrate", "-o", calibration, *jobs, calibration=calibration), "calibration")
+        print(f"calibrating with the jobs of {', '.join(keys)} ...", flush=True)
+        checked(graphrl("calibrate", "-o", calibration, *jobs.values(), calibration=calibration), "calibration")
 
     rows = []
     for key in keys:
         print(f"running {CASES[key].name} ...", flush=True)
-        rows.append(run_case(key, CASES[key], calibration, out))
+        rows.append(run_case(key, CASES[key], jobs[key], calibration, out))
 
     print("\nseconds per step (median after warm-up), predicted against measured")
     print(f"{'case':<44} {'measured':>9} {'calibrated':>11} {'error':>7} {'default':>9} {'error':>7}")

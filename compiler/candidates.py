@@ -436,7 +436,9 @@ def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec, target
     if not any(r.kind == "train" for r in roles):
         raise PlacementError("the job trains no model", path=("nodes",), fix="add a train node")
     check_pins(graph, cluster, target, hw)
-    # The calibrated figures of this job's ranks: their threads, the trained models' width.
-    hw = hw.for_rank(graph.job.run.threads_per_rank, max(r.dims.hidden_size for r in roles if r.kind == "train"))
+    # The calibrated figures of this job's ranks: their threads, the trained models' width, a rank's tokens.
+    workload = derive_workload(graph)
+    hw = hw.for_rank(graph.job.run.threads_per_rank, max(r.dims.hidden_size for r in roles if r.kind == "train"),
+                     workload.tokens / cluster.num_devices)
     return Problem(roles=tuple(roles), cluster=cluster, hw=hw, hints=graph.job.placement, target=target,
-                   workload=derive_workload(graph), mode=graph.job.schedule.mode)
+                   workload=workload, mode=graph.job.schedule.mode)

@@ -24,7 +24,7 @@ from graphrl.compiler.place import check_placement, place_job
 from graphrl.compiler.reshard import check_reshard, plan_reshard
 from graphrl.compiler.roles import effective_mode
 from graphrl.compiler.schedule import ProgramSettings, build_schedule, check_schedule
-from graphrl.compiler.simulate import run_programs
+from graphrl.compiler.simulate import phase_breakdown, run_programs
 from graphrl.compiler.state import Compilation, Verified, need
 from graphrl.compiler.typecheck import typecheck
 from graphrl.compiler.verify import verify_programs
@@ -160,6 +160,34 @@ def refine_placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
                                         durations=best.durations, baseline=baseline, contenders=()))
 
 
+def simulated_estimate(s: Compilation, ctx: CompileContext, layout: Layout, durations: Mapping[CostKey, float]
+                       ) -> Layout:
+    """`layout` with its estimate simulated: the steady-state seconds per step of its programs over
+    `SIMULATE_RANKING_STEPS` steps, and the phases of the busiest rank's step (`phase_breakdown`), which
+    add up to it."""
+    placed = need(s.placement, "placement")
+    programs = programs_on(s, ctx, layout, durations, ProgramSettings(steps=SIMULATE_RANKING_STEPS, checkpoint_every=0))
+    result = run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True,
+                          trace_ranks=set(range(len(programs.streams))))
+    estimate = layout.estimate.model_copy(update={"step_time_s": result.step_time_s, "method": "simulated",
+                                                  "phases": phase_breakdown(result)})
+    return layout.model_copy(update={"estimate": estimate})
+
+
+@compiler_pass("estimate", requires=("placement",), ensures=("placement",))
+def estimate_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """The predicted step time has one definition, the simulator's steady state of the chosen layout's
+    own programs, and the preview's phases are that simulation's, so they add up to it. The baseline
+    beside it is simulated the same way on clusters the refinement simulates (the analytical estimate,
+    marked so, on larger ones)."""
+    placed = need(s.placement, "placement")
+    chosen = simulated_estimate(s, ctx, placed.chosen, placed.durations)
+    baseline = placed.baseline
+    if baseline is not None and placed.baseline_durations is not None and placed.ranking == "simulated":
+        baseline = simulated_estimate(s, ctx, baseline, placed.baseline_durations)
+    return replace(s, placement=replace(placed, chosen=chosen, baseline=baseline))
+
+
 @compiler_pass("verify", requires=("programs", "placement"), ensures=("verified",))
 def verify_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """No deadlock, memory fits at every instruction, the staleness bound holds."""
@@ -180,6 +208,7 @@ FRONT: tuple[Pass, ...] = (
 PIPELINE: tuple[Pass, ...] = FRONT + (
     placement_pass,   # meshes and layouts per role; drops what does not fit; ranks by step time
     refine_placement_pass,  # small clusters: re-rank the best candidates by simulating PROGRAM_PASSES' programs
+    estimate_pass,    # the chosen layout's step time and phases: the simulator's steady state of its programs
     *PROGRAM_PASSES,  # offload, reshard, weight_sync, schedule, lower (above)
     verify_pass,      # no deadlock, memory fits at every instruction, staleness bound holds
 )

@@ -22,7 +22,7 @@ from typing import Any
 
 from graphrl.errors import VerifyError
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.program import TRAITS, Instruction, Programs, describe, label
+from graphrl.schemas.program import INSTRUCTION_TYPES, PHASES, TRAITS, Instruction, Programs, describe, label
 
 from graphrl.compiler.semantics import BY_NAME, SEMANTICS, Costs
 from graphrl.compiler.timing import p2p_seconds
@@ -182,6 +182,42 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
         step_time = makespan / max(programs.steps, 1)
     busy_fraction = [b / makespan if makespan > 0 else 0.0 for b in busy]
     return SimResult(makespan, step_time, done, busy_fraction, spans, flows)
+
+
+def steady_window(result: SimResult) -> tuple[float, float, int]:
+    """(start, end, steps) of the window `step_time_s` is measured over: from the middle step's completion
+    to the last one's, or the whole run when it has fewer than four steps."""
+    done = result.step_done_s
+    if len(done) >= 4:
+        k0 = len(done) // 2
+        return done[k0], done[-1], len(done) - 1 - k0
+    return 0.0, (done[-1] if done else result.makespan_s), max(len(done), 1)
+
+
+WAIT_PHASE = "wait"
+
+
+def phase_breakdown(result: SimResult) -> dict[str, float]:
+    """Seconds per step of each phase (`TRAITS[kind].phase`) on the busiest rank over the steady-state
+    window, and `wait`, the rest of its step (waiting for peers, or for the other mesh's work it depends
+    on): they add up to `result.step_time_s`. Needs a result traced on every rank."""
+    start, end, steps = steady_window(result)
+    by_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for span in result.spans:
+        overlap = min(span.end, end) - max(span.start, start)
+        if overlap > 0:
+            by_rank[span.rank][TRAITS[INSTRUCTION_TYPES[span.category]].phase] += overlap
+    if not by_rank:
+        return {WAIT_PHASE: result.step_time_s} if result.step_time_s > 0 else {}
+    busiest = max(sorted(by_rank), key=lambda r: sum(by_rank[r].values()))
+    phases = {phase: seconds / steps for phase, seconds in by_rank[busiest].items()}
+    busy = sum(phases.values())
+    if busy > result.step_time_s > 0:  # spans across the window's edges: shares of the step
+        phases = {phase: v * result.step_time_s / busy for phase, v in phases.items()}
+    elif result.step_time_s - busy > 1e-9 * result.step_time_s:
+        phases[WAIT_PHASE] = result.step_time_s - busy
+    order = {phase: i for i, phase in enumerate((*PHASES, WAIT_PHASE))}
+    return dict(sorted(phases.items(), key=lambda kv: order[kv[0]]))
 
 
 def _deadlock(programs: Programs, pc: list[int], unfinished: list[int], waiting_at: dict,

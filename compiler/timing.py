@@ -411,8 +411,8 @@ def generation_time(
       attention over the prompt_len + j cached keys: max(its FLOPs, the K/V bytes it reads), summed over
       the steps exactly in closed form;
     - tensor parallel (tp > 1): `_tp_comm_per_pass` per pass;
-    - host: `layer_overhead_s` per layer and `pass_overhead_s` per pass, `decode_token_overhead_s` per
-      generated token and layer.
+    - host: `layer_overhead_s` per layer (plus `tensor_parallel_layer_overhead_s` on a tp rank) and
+      `pass_overhead_s` per pass, `decode_token_overhead_s` per generated token and layer.
     `precision` 'fp8' stores block linears at one byte (`matmul_seconds`); the KV cache holds
     `kv_bytes_per_elem` (default: the compute dtype).
     """
@@ -437,7 +437,8 @@ def generation_time(
     att_compute, att_memory = attention_seconds_per_key(dims, hw, batch, tp, kv, read_kv=True)
     attention = layers * _sum_max_linear(0.0, att_compute, 0.0, att_memory, prompt_len + 1, prompt_len + steps)
 
-    host = (1 + steps) * (layers * hw.layer_overhead_s + hw.pass_overhead_s)
+    per_layer = hw.layer_overhead_s + (hw.tensor_parallel_layer_overhead_s if tp > 1 else 0.0)
+    host = (1 + steps) * (layers * per_layer + hw.pass_overhead_s)
     host += batch * response_len * layers * hw.decode_token_overhead_s
     return prefill + steps * per_step + attention + host
 
@@ -581,7 +582,8 @@ def training_step_time(
       step is fully exposed, and so are the update's small all-reduces before its loss (the batch's
       token counts, and with micro-batches their count).
     - host: per micro-batch, `train_layer_overhead_s` per layer (plus `layer_overhead_s` with recompute,
-      and `data_parallel_layer_overhead_s` on a data-parallel rank) and `train_pass_overhead_s`.
+      and `data_parallel_layer_overhead_s` on a data-parallel rank, `sharded_layer_overhead_s` more where
+      FSDP2 shards it) and `train_pass_overhead_s`.
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
@@ -617,7 +619,9 @@ def training_step_time(
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_dp
     per_layer = hw.train_layer_overhead_s + (hw.layer_overhead_s if recompute else 0.0)
-    per_layer += hw.data_parallel_layer_overhead_s if d > 1 else 0.0
+    if d > 1:
+        per_layer += hw.data_parallel_layer_overhead_s
+        per_layer += hw.sharded_layer_overhead_s if sharding in ("zero2", "fsdp") else 0.0
     host = m * (layers_per_stage * per_layer + hw.train_pass_overhead_s)
     return StepCost(
         compute_s=compute + host, comm_s=tp_comm + pp_comm + overlappable + not_overlappable,
@@ -652,7 +656,8 @@ def forward_time(
       `training_memory`), overlapped with compute as in `_overlap`.
     - pipeline: forward sends and the bubble (pp-1)/m of the ideal time, m = `microbatches`
       (default 4*pp).
-    - host: `layer_overhead_s` per layer and `pass_overhead_s` per micro-batch.
+    - host: `layer_overhead_s` per layer (plus `tensor_parallel_layer_overhead_s` on a tp rank) and
+      `pass_overhead_s` per micro-batch.
     """
     _peak(hw, precision)
     d = dp * fsdp
@@ -680,7 +685,8 @@ def forward_time(
     critical = compute + tp_comm + pp_comm
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_gather
-    host = m * (layers_per_stage * hw.layer_overhead_s + hw.pass_overhead_s)
+    per_layer = hw.layer_overhead_s + (hw.tensor_parallel_layer_overhead_s if tp > 1 else 0.0)
+    host = m * (layers_per_stage * per_layer + hw.pass_overhead_s)
     return StepCost(
         compute_s=compute + host, comm_s=tp_comm + pp_comm + gather, exposed_comm_s=exposed, bubble_s=bubble,
         total_s=compute + host + exposed + bubble,

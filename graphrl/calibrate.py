@@ -41,7 +41,7 @@ from graphrl.schemas.hardware import (HARDWARE_PRESETS, CollectiveFit, EngineThr
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 
 Phase = Literal["generate", "forward", "train"]
-HOST_FIELDS = HOST_FIT_FIELDS[:6]  # the host overheads; the fit's last two unknowns are the elementwise rates
+HOST_FIELDS = HOST_FIT_FIELDS[:-2]  # the host overheads; the fit's last two unknowns are the elementwise rates
 COLLECTIVES: tuple[MeasuredCollective, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 _HUGE = 1e30  # a rate so high that the term it divides vanishes
 
@@ -117,6 +117,8 @@ class Probe:
     dtype_bytes: int = 4
     threads: int = 1
     ranks: int = 1  # processes side by side; a training probe is data-parallel over all of them
+    sharding: str = "none"  # a training probe's sharding over its ranks (DDP, or FSDP2 for fsdp)
+    tp: int = 1  # a generation probe's tensor-parallel size (one replica over that many ranks)
 
 
 def predicted_probe_s(probe: Probe, hw: HardwareSpec) -> float:
@@ -126,23 +128,23 @@ def predicted_probe_s(probe: Probe, hw: HardwareSpec) -> float:
     seq_len = probe.prompt_len + probe.response_len
     tokens = probe.batch * seq_len
     rows = probe.batch * probe.response_len
-    hw = hw.for_rank(probe.threads, probe.dims.hidden_size)
+    hw = hw.for_rank(probe.threads, probe.dims.hidden_size, probe.batch * (probe.prompt_len + probe.response_len))
     if probe.phase == "generate":
-        return timing.generation_time(probe.dims, probe.batch, probe.prompt_len, probe.response_len, 1, "bf16", hw,
-                                      dtype_bytes=probe.dtype_bytes)
+        return timing.generation_time(probe.dims, probe.batch, probe.prompt_len, probe.response_len, probe.tp, "bf16",
+                                      hw, dtype_bytes=probe.dtype_bytes)
     if probe.phase == "forward":
         return timing.forward_time(probe.dims, tokens=tokens, seq_len=seq_len, hw=hw, microbatches=1,
                                    dtype_bytes=probe.dtype_bytes, head_rows=rows).total_s
     return timing.training_step_time(
         probe.dims, tokens=tokens * probe.ranks, seq_len=seq_len, dp=probe.ranks, fsdp=1, tp=1, pp=1,
-        sharding="none", recompute=False, hw=hw, intra_node_tp=True, dp_spans_nodes=False, microbatches=1,
+        sharding=probe.sharding, recompute=False, hw=hw, intra_node_tp=True, dp_spans_nodes=False, microbatches=1,
         dtype_bytes=probe.dtype_bytes, head_rows=rows * probe.ranks,
     ).total_s
 
 
 def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
     """argmin ||A x - b|| over x >= 0, exactly: the best unconstrained fit over every subset of free
-    variables whose solution is nonnegative (the host model has eight unknowns, so 255 subsets)."""
+    variables whose solution is nonnegative (the host model has ten unknowns, so 1023 subsets)."""
     a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(target, dtype=torch.float64)[:, None]
     n = a.shape[1]
     best, best_err = [0.0] * n, float(b.square().sum())
@@ -163,7 +165,7 @@ def fit_host_model(probes: list[Probe], base: HardwareSpec) -> HardwareSpec:
     """`base` with the host overheads and the elementwise rates that best reproduce the probe timings.
 
     The matmuls and collectives are known (`base`'s measured matmul fits or roofline, its collective
-    fits); what remains of each probe's time is linear in eight unknowns: six host overheads and the
+    fits); what remains of each probe's time is linear in ten unknowns: eight host overheads and the
     seconds per elementwise byte of a forward and of a backward. The basis of each unknown is the timing
     model's prediction on a description where only that unknown is 1 and nothing else costs anything. The
     fit minimises the relative error over the probes, with every unknown >= 0.
@@ -312,8 +314,59 @@ class _ProbeRuntime:
 _PROBE_RUNTIME = _ProbeRuntime()
 
 
+def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[int, ...] = (1, 4),
+                  batch: int = 128, prompt_len: int = 6, response_len: int = 5) -> list[Probe]:
+    """On the processes of a gloo group: a training step with FSDP2 (`sharding: fsdp`) over all of them,
+    and generation on one tensor-parallel replica over all of them, as the executor runs both."""
+    from graphrl.executors import training
+    from graphrl.executors.models.llama import Llama, generate
+    from graphrl.executors.parallel import build_optimizer, wrap_trainer
+    from graphrl.executors.roles import RoleState
+    from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
+    from graphrl.schemas.job import AlgorithmSpec
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
+    from graphrl.tasks import PAD
+
+    world = dist.get_world_size()
+    placement = RolePlacement(role="probe", model="probe", kind="train", ops=["train"], mesh="probe",
+                              memory_bytes=MemoryBytes())
+    probes = []
+    for num_layers in layers:
+        d = dims.model_copy(update=dict(num_layers=num_layers))
+        torch.manual_seed(0)
+        model = Llama(d)
+        prompt_ids = torch.randint(3, d.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+        prompt_mask = torch.ones(batch, prompt_len, dtype=torch.bool)
+        uniforms = torch.rand(batch, response_len, generator=torch.Generator().manual_seed(1))
+        sharded = TensorParallelLlama.from_full(model, TensorParallelGroup(dist.get_rank(), world, dist.group.WORLD))
+        sharded.eval()
+
+        def gen(m: Any) -> Any:
+            return generate(m, prompt_ids, prompt_mask, response_len, temperature=1.0, top_p=1.0, uniforms=uniforms,
+                            eos_id=-1, pad_id=PAD)
+
+        out = gen(sharded)
+        probes.append(Probe("generate", d, batch, prompt_len, response_len, _typical_time(lambda: gen(sharded)),
+                            4, torch.get_num_threads(), world, tp=world))
+        wrapped, wrapping = wrap_trainer(model, "fsdp", dist.group.WORLD, torch.device("cpu"))
+        optimizer = build_optimizer(wrapped, "fsdp", wrapping, dist.group.WORLD, lr=1e-4, betas=(0.9, 0.999),
+                                    weight_decay=0.0)
+        role = RoleState(placement, model, wrapped, wrapping, optimizer)
+        rollouts = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
+                        response_mask=out.response_mask, behaviour_logprobs=out.logprobs, version=torch.tensor([0]))
+        advantages = torch.randn(batch, response_len, generator=torch.Generator().manual_seed(2))
+
+        def train() -> None:
+            training.update(role, "grpo", AlgorithmSpec(), rollouts, {"advantages": advantages}, None, None,
+                            temperature=1.0, group=dist.group.WORLD, rt=_PROBE_RUNTIME, node="probe", step=0)
+
+        probes.append(Probe("train", d, batch, prompt_len, response_len, _typical_time(train), 4,
+                            torch.get_num_threads(), world, sharding="fsdp"))
+    return probes
+
+
 def _probe_times(rank: int, world: int) -> list[Probe]:
-    return probe_model_code()
+    return probe_model_code() + probe_layouts()
 
 
 def probe_side_by_side(num_processes: int) -> list[Probe]:
@@ -619,10 +672,9 @@ def measure_optimizer(params: int, threads: int) -> float:
         torch.set_num_threads(previous)
 
 
-# The job probes: two depths (the per-layer host time is their difference), a few decode steps.
-JOB_PROBE_LAYERS = (2, 6)
-JOB_PROBE_MAX_BATCH = 16
-JOB_PROBE_MAX_RESPONSE = 8
+# The job probes: the job's own per-rank batch (and a quarter of it) and lengths, at two depths (the
+# per-layer time is their difference).
+JOB_PROBE_LAYERS = (1, 3)
 
 
 def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
@@ -653,9 +705,8 @@ def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
                            f"{cost.forward * 1e9:.2f} log-prob pass, {cost.train * 1e9:.2f} training pass")
                 torch.set_num_threads(job.threads)
                 report(f"timing {job.name}'s model code at {JOB_PROBE_LAYERS} layers, {job.threads} thread(s)...")
-                batch = min(job.batch, JOB_PROBE_MAX_BATCH)
-                probes[-1] += probe_model_code(dims, JOB_PROBE_LAYERS, tuple(sorted({max(1, batch // 4), batch})),
-                                               job.prompt_len, min(job.response_len, JOB_PROBE_MAX_RESPONSE), dtype_bytes)
+                probes[-1] += probe_model_code(dims, JOB_PROBE_LAYERS, tuple(sorted({max(1, job.batch // 4), job.batch})),
+                                               job.prompt_len, job.response_len, dtype_bytes)
         largest = max(jobs, key=lambda j: max(param_count(d) for d, _ in j.models), default=None)
         if largest is not None:
             params = min(max(param_count(d) for d, _ in largest.models), MAX_MEASURED_OPTIMIZER_PARAMS)
@@ -716,6 +767,7 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
             _report_fit(together, job_fit, report)
             for dims, _ in job.models:
                 host_fits.append(HostFit(hidden_size=dims.hidden_size, threads=job.threads,
+                                         tokens=job.batch * (job.prompt_len + job.response_len),
                                          **{name: getattr(job_fit, name) for name in HOST_FIT_FIELDS}))
         fitted = fitted.model_copy(update=dict(host_fits=_distinct_host_fits(host_fits)))
         report("measuring per-instruction overhead...")
@@ -748,13 +800,15 @@ def _report_fit(probes: list[Probe], fitted: HardwareSpec, report: Callable[[str
     report(f"  per layer: {fitted.layer_overhead_s * 1e6:.0f} µs forward, {fitted.train_layer_overhead_s * 1e6:.0f} µs "
            f"training, {fitted.decode_token_overhead_s * 1e6:.2f} µs per generated token; per pass: "
            f"{fitted.pass_overhead_s * 1e6:.0f} µs forward, {fitted.train_pass_overhead_s * 1e6:.0f} µs training; "
-           f"{fitted.data_parallel_layer_overhead_s * 1e6:.0f} µs per layer on a data-parallel rank; elementwise "
+           f"{fitted.data_parallel_layer_overhead_s * 1e6:.0f} µs per layer on a data-parallel rank "
+           f"(+{fitted.sharded_layer_overhead_s * 1e6:.0f} sharded), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
+           f"µs per layer and pass on a tensor-parallel rank; elementwise "
            f"{fitted.elementwise_rate / 1e9:.1f} GB/s forward, {fitted.backward_elementwise_rate / 1e9:.1f} backward")
 
 
 def _distinct_host_fits(fits: list[HostFit]) -> tuple[HostFit, ...]:
-    """One fit per (width, threads): the last job's, when two jobs share both."""
-    return tuple({(f.hidden_size, f.threads): f for f in fits}.values())
+    """One fit per (width, threads, step size): the last job's, when two jobs share all three."""
+    return tuple({(f.hidden_size, f.threads, f.tokens): f for f in fits}.values())
 
 
 # A probe the vLLM CPU backend runs (head_dim 64), small enough to measure in seconds.

@@ -96,8 +96,8 @@ class VocabCost(Frozen):
 
 
 HOST_FIT_FIELDS = ("layer_overhead_s", "pass_overhead_s", "decode_token_overhead_s", "train_layer_overhead_s",
-                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "elementwise_bandwidth",
-                   "backward_elementwise_bandwidth")
+                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "sharded_layer_overhead_s",
+                   "tensor_parallel_layer_overhead_s", "elementwise_bandwidth", "backward_elementwise_bandwidth")
 
 
 class HostFit(Frozen):
@@ -107,14 +107,22 @@ class HostFit(Frozen):
 
     hidden_size: Integer = Field(gt=0, description="Hidden size of the models probed.")
     threads: Integer = Field(gt=0, description="torch threads per process of the probes.")
-    layer_overhead_s: Real = Field(ge=0)
-    pass_overhead_s: Real = Field(ge=0)
-    decode_token_overhead_s: Real = Field(ge=0)
-    train_layer_overhead_s: Real = Field(ge=0)
-    train_pass_overhead_s: Real = Field(ge=0)
-    data_parallel_layer_overhead_s: Real = Field(ge=0)
-    elementwise_bandwidth: Real = Field(ge=0)
-    backward_elementwise_bandwidth: Real = Field(ge=0)
+    tokens: Integer = Field(default=0, ge=0, description="Tokens per rank of the job's step (its per-rank batch times "
+                                                         "prompt and response length) the probes ran.")
+    layer_overhead_s: Real = Field(ge=0, description="Host seconds per layer per forward pass.")
+    pass_overhead_s: Real = Field(ge=0, description="Host seconds per forward pass outside the layers.")
+    decode_token_overhead_s: Real = Field(ge=0, description="Host seconds per generated token per layer.")
+    train_layer_overhead_s: Real = Field(ge=0, description="Host seconds per layer per training micro-batch.")
+    train_pass_overhead_s: Real = Field(ge=0, description="Host seconds per training micro-batch outside the layers.")
+    data_parallel_layer_overhead_s: Real = Field(ge=0, description="Extra host seconds per layer per training "
+                                                                   "micro-batch of a data-parallel rank.")
+    sharded_layer_overhead_s: Real = Field(ge=0, description="Further host seconds per layer per training "
+                                                             "micro-batch of a rank whose state FSDP2 shards.")
+    tensor_parallel_layer_overhead_s: Real = Field(ge=0, description="Extra host seconds per layer per forward "
+                                                                     "pass of a tensor-parallel rank.")
+    elementwise_bandwidth: Real = Field(ge=0, description="Bytes/s of a forward's elementwise kernels.")
+    backward_elementwise_bandwidth: Real = Field(ge=0, description="A backward's elementwise work, in bytes/s "
+                                                                   "of the forward's elementwise bytes.")
 
 
 class HardwareSpec(Frozen):
@@ -214,6 +222,18 @@ class HardwareSpec(Frozen):
         description="Host figures fitted to the models of the jobs calibrated (`graphrl calibrate JOB`), by model "
                     "width and threads; see `for_rank`.",
     )
+    sharded_layer_overhead_s: Real = Field(
+        default=0.0, ge=0,
+        description="Further host time per transformer layer per training micro-batch of a rank whose weights FSDP2 "
+                    "shards (zero2, fsdp): its gathers' and reductions' hooks and waits beyond the modelled "
+                    "collectives, seconds. Fitted by `graphrl calibrate` from side-by-side FSDP2 probes.",
+    )
+    tensor_parallel_layer_overhead_s: Real = Field(
+        default=0.0, ge=0,
+        description="Host time per transformer layer per forward pass of a rank of a tensor-parallel group beyond "
+                    "the modelled all-reduces (waiting for the other ranks at each), seconds. Fitted by `graphrl "
+                    "calibrate` from side-by-side tensor-parallel generation probes.",
+    )
     matmuls: tuple[MatmulFit, ...] = Field(
         default=(),
         description="Measured matmul times by weight shape and rows (from `graphrl calibrate JOB`); a shape not "
@@ -249,17 +269,19 @@ class HardwareSpec(Frozen):
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes * (1.0 - self.reserved_memory_fraction)
 
-    def for_rank(self, threads: int, hidden_size: int) -> "HardwareSpec":
-        """This description for ranks of `threads` torch threads that run models `hidden_size` wide: the
-        matmul fits measured with that many threads (all of them where none was), and the host fit of
-        those threads whose width is nearest (the general figures where none was made)."""
+    def for_rank(self, threads: int, hidden_size: int, tokens: float = 0) -> "HardwareSpec":
+        """This description for ranks of `threads` torch threads that run models `hidden_size` wide on
+        `tokens` tokens a step: the matmul fits measured with that many threads (all of them where none
+        was), and the host fit of those threads whose width, then step size, is nearest (the general
+        figures where none was made)."""
         update: dict = {}
         same = tuple(f for f in self.matmuls if f.threads == threads)
         if same and len(same) != len(self.matmuls):
             update["matmuls"] = same
         fits = [f for f in self.host_fits if f.threads == threads]
         if fits:
-            fit = min(fits, key=lambda f: abs(math.log(f.hidden_size / hidden_size)))
+            fit = min(fits, key=lambda f: (abs(math.log(f.hidden_size / hidden_size)),
+                                           abs(math.log(max(f.tokens, 1) / max(tokens, 1)))))
             update.update({name: getattr(fit, name) for name in HOST_FIT_FIELDS})
         return self.model_copy(update=update) if update else self
 

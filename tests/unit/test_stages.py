@@ -118,7 +118,7 @@ def _drop_a_body_instruction(graph):  # noqa: ANN001, ANN202
 @pytest.mark.parametrize("stage, corrupt, example, reason", [
     ("placement", _forget_the_generation_time, "grpo_tiny.yaml", "no finite predicted duration for Generate"),
     ("reshard", _drop_first_transfer, "aipo_async_tiny.yaml", "needs responses"),
-    ("offload", _double_offload_bytes, "llama3_8b.yaml", "its placement holds"),
+    ("offload", _double_offload_bytes, "llama3_70b.yaml", "its placement holds"),
     ("weight_sync", _same_sender_twice_in_a_round, "aipo_async_tiny.yaml", "sends or receives twice"),
     ("schedule", _drop_a_receive, "aipo_async_tiny.yaml", "do not pair up"),
     ("lower", _drop_a_body_instruction, "grpo_tiny.yaml", "is not the schedule's transcript"),
