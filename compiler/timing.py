@@ -233,10 +233,15 @@ def elementwise_seconds(hw: HardwareSpec, num_bytes: float) -> float:
 # One model pass on one tensor-parallel rank
 
 
+# The block linears whose output rows are KV heads.
+KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
+
+
 @functools.lru_cache(maxsize=256)
 def layer_matmul_shapes(dims: ModelDims, tp: int) -> tuple[tuple[int, int], ...]:
     """(k, n) of each block linear on one rank of a tp group (the inventory's tp styles: column-parallel
-    linears split n, row-parallel ones split k; `torch.chunk` rounds the first shards up)."""
+    linears split n, row-parallel ones split k; `torch.chunk` rounds the first shards up). The k and v
+    projections split over `kv_shards`: a generator with more ranks than KV heads replicates each head."""
     shapes = []
     for module in LLAMA_LAYER:
         shape = module.shape(dims)
@@ -244,7 +249,7 @@ def layer_matmul_shapes(dims: ModelDims, tp: int) -> tuple[tuple[int, int], ...]
             continue
         n, k = shape
         if module.tp is TpStyle.COLWISE:
-            n = math.ceil(n / tp)
+            n = math.ceil(n / (kv_shards(dims, tp) if module.name in KV_PROJECTIONS else tp))
         elif module.tp is TpStyle.ROWWISE:
             k = math.ceil(k / tp)
         shapes.append((k, n))

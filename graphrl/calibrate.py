@@ -171,8 +171,12 @@ def fit_host_model(probes: list[Probe], base: HardwareSpec) -> HardwareSpec:
     fit minimises the relative error over the probes, with every unknown >= 0.
     """
     zero = {name: 0.0 for name in HOST_FIELDS}
+    # The vocabulary work and the optimizer step are known where `base` measured them (they cost nothing in
+    # the bases); where it did not, they are elementwise bytes, which the forward rate's basis counts.
+    vocab_known = tuple(v.model_copy(update=dict(generate=0.0, forward=0.0, train=0.0)) for v in base.vocab)
     free = dict(zero, peak_bf16_flops=_HUGE, compute_efficiency=1.0, memory_bandwidth=_HUGE, memory_efficiency=1.0,
-                matmuls=(), vocab=(), optimizer_param_s=1 / _HUGE, kernel_overhead_s=0.0, elementwise_bandwidth=_HUGE,
+                matmuls=(), vocab=vocab_known, optimizer_param_s=1 / _HUGE if base.optimizer_param_s > 0 else 0.0,
+                kernel_overhead_s=0.0, elementwise_bandwidth=_HUGE,
                 backward_elementwise_bandwidth=_HUGE, collectives=(), link_latency_s=0.0,
                 intra_node_bandwidth=_HUGE, inter_node_bandwidth=_HUGE)
     bases = [base.model_copy(update=dict(free, **{name: 1.0})) for name in HOST_FIELDS]

@@ -94,14 +94,14 @@ def test_native_engine_samples_from_the_response_seeds() -> None:
 
 def test_a_calibrated_engine_scales_the_predicted_generation_time(monkeypatch) -> None:
     """The compiler costs a vLLM generator from the calibrated tokens/s ratio, and only that generator."""
-    from graphrl.compiler import cost
+    from graphrl.compiler import timing
     from graphrl.schemas.hardware import HARDWARE_PRESETS, EngineThroughput
     from graphrl.schemas.program import CostKey
 
     measured = EngineThroughput(engine="vllm", tokens_per_s=400.0, native_tokens_per_s=100.0, probe="test")
     hw = HARDWARE_PRESETS["cpu-local"].model_copy(update={"engines": (measured,)})
-    assert cost.engine_time_factor(hw, "vllm") == 0.25 and cost.engine_time_factor(hw, "native") == 1.0
-    assert cost.engine_time_factor(HARDWARE_PRESETS["h100-sxm-80gb"], "vllm") == 1.0
+    assert timing.engine_time_factor(hw, "vllm") == 0.25 and timing.engine_time_factor(hw, "native") == 1.0
+    assert timing.engine_time_factor(HARDWARE_PRESETS["h100-sxm-80gb"], "vllm") == 1.0
     import graphrl.compiler.compile as compile_module
 
     resolve = compile_module.resolve_hardware
