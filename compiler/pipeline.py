@@ -183,7 +183,7 @@ def estimate_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     placed = need(s.placement, "placement")
     chosen = simulated_estimate(s, ctx, placed.chosen, placed.durations)
     baseline = placed.baseline
-    if baseline is not None and placed.baseline_durations is not None and placed.ranking == "simulated":
+    if baseline is not None and placed.baseline_durations is not None:
         baseline = simulated_estimate(s, ctx, baseline, placed.baseline_durations)
     return replace(s, placement=replace(placed, chosen=chosen, baseline=baseline))
 

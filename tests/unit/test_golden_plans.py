@@ -63,3 +63,20 @@ def test_plan_matches_golden(name):
             pytest.fail(f"golden file {path.name} was missing and has been written; review and commit it")
     want = json.loads(path.read_text())
     assert got == want, f"plan of {name} changed; rerun with GRAPHRL_UPDATE_GOLDEN=1 and review the diff"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_previews_phases_add_up_to_its_step_time(name):
+    """One definition of the step time: the simulator's steady state, and the phases the preview lists
+    (the busiest rank's, and its wait) are that simulation's, chosen layout and baseline alike."""
+    if _missing_checkpoint(name) is not None:
+        pytest.skip(f"{name} needs its locally made checkpoint")
+    job = load_job(ROOT / "examples" / name)
+    plan = compile_job(job, job_cluster(job, None), steps=4)
+    for layout in (plan.chosen, plan.baseline):
+        if layout is None:
+            continue
+        estimate = layout.estimate
+        assert estimate.method == "simulated"
+        assert sum(estimate.phases.values()) == pytest.approx(estimate.step_time_s, rel=1e-9)
+        assert all(seconds >= 0 for seconds in estimate.phases.values())

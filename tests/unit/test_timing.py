@@ -601,7 +601,8 @@ def test_engine_time_factor() -> None:
 def _host_fit(hidden_size: int, threads: int, layer_overhead_s: float) -> HostFit:
     return HostFit(hidden_size=hidden_size, threads=threads, layer_overhead_s=layer_overhead_s, pass_overhead_s=2e-4,
                    decode_token_overhead_s=3e-6, train_layer_overhead_s=4e-4, train_pass_overhead_s=5e-4,
-                   data_parallel_layer_overhead_s=6e-5, elementwise_bandwidth=7e9, backward_elementwise_bandwidth=8e9)
+                   data_parallel_layer_overhead_s=6e-5, sharded_layer_overhead_s=0.0, tensor_parallel_layer_overhead_s=0.0,
+                   elementwise_bandwidth=7e9, backward_elementwise_bandwidth=8e9)
 
 
 def test_for_rank_picks_the_fits_of_its_threads_and_width() -> None:
@@ -624,3 +625,27 @@ def test_for_rank_picks_the_fits_of_its_threads_and_width() -> None:
     # Four threads were never measured: every matmul fit and the general host figures.
     assert hw.for_rank(4, 64) is hw
     assert TOY_HW.for_rank(1, 8) is TOY_HW
+
+
+def test_layout_overheads_are_charged_only_where_the_layout_runs() -> None:
+    """FSDP2's per-layer host time only on a sharded data-parallel trainer; the tensor-parallel one only on
+    passes of a tp > 1 replica, once per layer and pass."""
+    hw = TOY_HW.model_copy(update=dict(sharded_layer_overhead_s=1e-3, tensor_parallel_layer_overhead_s=1e-4))
+    plain = TOY_HW
+    common = dict(tokens=64, seq_len=8, pp=1, tp=1, recompute=False, intra_node_tp=True, dp_spans_nodes=False,
+                  microbatches=2)
+    for sharding, extra in (("fsdp", True), ("zero2", True), ("zero1", False), ("none", False)):
+        with_it = timing.training_step_time(TOY, dp=2, fsdp=1, sharding=sharding, hw=hw, **common).total_s
+        without = timing.training_step_time(TOY, dp=2, fsdp=1, sharding=sharding, hw=plain, **common).total_s
+        # 2 micro-batches x 2 layers x 1 ms
+        assert with_it - without == pytest.approx(4e-3 if extra else 0.0)
+    alone = dict(common, dp=1, fsdp=1, sharding="fsdp")
+    assert timing.training_step_time(TOY, hw=hw, **alone).total_s == timing.training_step_time(TOY, hw=plain, **alone).total_s
+    # Generation: 1 prefill + 3 decode passes, 2 layers each, 0.1 ms per layer and pass at tp 2.
+    tp2 = timing.generation_time(TOY, 4, 5, 4, 2, "bf16", hw) - timing.generation_time(TOY, 4, 5, 4, 2, "bf16", plain)
+    assert tp2 == pytest.approx(4 * 2 * 1e-4)
+    assert timing.generation_time(TOY, 4, 5, 4, 1, "bf16", hw) == timing.generation_time(TOY, 4, 5, 4, 1, "bf16", plain)
+    # A forward at tp 2 over 2 micro-batches: 2 x 2 layers.
+    fwd = dict(tokens=64, seq_len=8, microbatches=2, tp=2)
+    assert (timing.forward_time(TOY, hw=hw, **fwd).total_s - timing.forward_time(TOY, hw=plain, **fwd).total_s
+            == pytest.approx(4 * 1e-4))
