@@ -17,6 +17,9 @@ from rich.text import Text
 
 from graphrl.schemas.capabilities import plan_refusals
 from graphrl.schemas.plan import Layout, Plan
+from graphrl.schemas.program import PHASES
+
+from graphrl.compiler.simulate import WAIT_PHASE
 
 GB = 1e9
 
@@ -81,9 +84,14 @@ def _phase_table(plan: Plan) -> Table:
     table.add_column("chosen", justify="right")
     if plan.baseline is not None:
         table.add_column("baseline", justify="right")
+    table.caption = ("the simulator's steady state: the phases of the busiest rank's step, and its wait "
+                     "(for peers, or for the other mesh), add up to the step")
+    table.caption_justify = "left"
     names = list(plan.chosen.estimate.phases)
     if plan.baseline is not None:
         names += [k for k in plan.baseline.estimate.phases if k not in names]
+    order = {phase: i for i, phase in enumerate((*PHASES, WAIT_PHASE))}
+    names.sort(key=lambda name: order.get(name, len(order)))
     for name in names:
         row = [name, human_seconds(plan.chosen.estimate.phases[name]) if name in plan.chosen.estimate.phases else "-"]
         if plan.baseline is not None:
