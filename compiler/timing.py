@@ -548,6 +548,21 @@ def _pipeline_p2p(
 
 
 
+def _micro_batches_compute(dims: ModelDims, hw: HardwareSpec, *, tokens: float, head_rows: float | None, seq_len: int,
+                           d: int, m: int, tp: int, pp: int, dtype_bytes: float, use: VocabUse,
+                           recompute: bool = False) -> tuple[float, float, float]:
+    """(tokens per micro-batch, layers per stage, compute seconds) of `m` micro-batches of one data-parallel
+    rank's share of `tokens` (the head on its share of `head_rows`, all tokens by default), each a
+    `pass_compute_seconds` through one pipeline stage."""
+    tokens_per_micro_batch = tokens / (d * m)
+    rows_per_micro_batch = (tokens if head_rows is None else head_rows) / (d * m)
+    layers_per_stage = dims.num_layers / pp
+    compute = m * pass_compute_seconds(dims, hw, tokens=tokens_per_micro_batch, keys=seq_len,
+                                       head_rows=rows_per_micro_batch, tp=tp, dtype_bytes=dtype_bytes, use=use,
+                                       layers=layers_per_stage, recompute=recompute)
+    return tokens_per_micro_batch, layers_per_stage, compute
+
+
 def training_step_time(
     dims: ModelDims,
     *,
@@ -594,12 +609,9 @@ def training_step_time(
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
     d = dp * fsdp
     m = microbatches if microbatches is not None else 4 * pp
-    tokens_per_micro_batch = tokens / (d * m)
-    rows_per_micro_batch = (tokens if head_rows is None else head_rows) / (d * m)
-    layers_per_stage = dims.num_layers / pp
-    compute = m * pass_compute_seconds(dims, hw, tokens=tokens_per_micro_batch, keys=seq_len,
-                                       head_rows=rows_per_micro_batch, tp=tp, dtype_bytes=dtype_bytes,
-                                       use="train", layers=layers_per_stage, recompute=recompute)
+    tokens_per_micro_batch, layers_per_stage, compute = _micro_batches_compute(
+        dims, hw, tokens=tokens, head_rows=head_rows, seq_len=seq_len, d=d, m=m, tp=tp, pp=pp,
+        dtype_bytes=dtype_bytes, use="train", recompute=recompute)
     local_params = param_count(dims) / (tp * pp) / (d if sharding != "none" else 1)
     compute += optimizer_seconds(hw, local_params)
 
@@ -667,12 +679,9 @@ def forward_time(
     _peak(hw, precision)
     d = dp * fsdp
     m = microbatches if microbatches is not None else 4 * pp
-    tokens_per_micro_batch = tokens / (d * m)
-    rows_per_micro_batch = (tokens if head_rows is None else head_rows) / (d * m)
-    layers_per_stage = dims.num_layers / pp
-    compute = m * pass_compute_seconds(dims, hw, tokens=tokens_per_micro_batch, keys=seq_len,
-                                       head_rows=rows_per_micro_batch, tp=tp, dtype_bytes=dtype_bytes,
-                                       use="forward", layers=layers_per_stage)
+    tokens_per_micro_batch, layers_per_stage, compute = _micro_batches_compute(
+        dims, hw, tokens=tokens, head_rows=head_rows, seq_len=seq_len, d=d, m=m, tp=tp, pp=pp,
+        dtype_bytes=dtype_bytes, use="forward")
 
     tp_comm = 0.0
     if tp > 1:
