@@ -128,22 +128,6 @@ def fp8_dequantizes(hw: HardwareSpec) -> bool:
     return hw.kind == "cpu"
 
 
-def read_bytes_per_param(hw: HardwareSpec, precision: str) -> float:
-    """Bytes per block-linear weight that a forward pass streams for its matmuls: the stored width, or
-    for fp8 weights that are dequantized at use, the unquantized width (the matmul reads the expanded
-    weight), so fp8 on such hardware saves memory but is never charged as faster."""
-    if precision == "fp8" and fp8_dequantizes(hw):
-        return BF16_BYTES
-    return PRECISION_BYTES[precision]
-
-
-def decode_weight_bytes_read(dims: ModelDims, bytes_per_param: float) -> float:
-    """Weight bytes a forward step streams from memory: all weights except the untied input embedding
-    (a lookup reads only the batch's rows, which is negligible)."""
-    skipped = 0 if dims.tie_embeddings else embedding_params(dims)
-    return weight_bytes(dims, bytes_per_param) - skipped * max(bytes_per_param, BF16_BYTES)
-
-
 # --------------------------------------------------------------------------------------------------
 # FLOPs
 
