@@ -392,6 +392,13 @@ def engine_time_factor(hw: HardwareSpec, engine: str) -> float:
 # Generation (prefill + decode)
 
 
+def _layer_without_attention(dims: ModelDims, hw: HardwareSpec, rows: float, tp: int, dtype_bytes: float,
+                             precision: Precision) -> float:
+    """One layer's linears and elementwise work over `rows` tokens on one tp rank."""
+    return (layer_linear_seconds(dims, hw, rows, tp, dtype_bytes, precision)
+            + elementwise_seconds(hw, layer_elementwise_bytes(dims, rows, tp, dtype_bytes)))
+
+
 def generation_time(
     dims: ModelDims,
     batch: int,
@@ -426,19 +433,17 @@ def generation_time(
     layers = dims.num_layers
     spans_nodes = not intra_node
 
-    def layer(rows: float) -> float:
-        return (layer_linear_seconds(dims, hw, rows, tp, dtype_bytes, precision)
-                + elementwise_seconds(hw, layer_elementwise_bytes(dims, rows, tp, dtype_bytes)))
-
     prompt_tokens = batch * prompt_len
     att_prompt, _ = attention_seconds_per_key(dims, hw, prompt_tokens, tp, kv, read_kv=False)
-    prefill = layers * (layer(prompt_tokens) + att_prompt * prompt_len)
+    prefill = layers * (_layer_without_attention(dims, hw, prompt_tokens, tp, dtype_bytes, precision)
+                        + att_prompt * prompt_len)
     prefill += head_seconds(dims, hw, batch, tp, dtype_bytes, "generate")
     prefill += _tp_comm_per_pass(dims, prompt_tokens, batch, tp, hw, spans_nodes)
 
     steps = max(response_len - 1, 0)
-    per_step = layers * layer(batch) + head_seconds(dims, hw, batch, tp, dtype_bytes, "generate")
-    per_step += _tp_comm_per_pass(dims, batch, batch, tp, hw, spans_nodes)
+    # Every decode step but its attention, which grows with the context and is summed below.
+    per_step = decode_step_cost(dims, batch, 0, tp, hw, precision=precision, dtype_bytes=dtype_bytes,
+                                kv_bytes_per_elem=kv, intra_node=intra_node)
     att_compute, att_memory = attention_seconds_per_key(dims, hw, batch, tp, kv, read_kv=True)
     attention = layers * _sum_max_linear(0.0, att_compute, 0.0, att_memory, prompt_len + 1, prompt_len + steps)
 
@@ -464,9 +469,7 @@ def decode_step_cost(
     `context_len` keys (one term of `generation_time`'s sum)."""
     kv = dtype_bytes if kv_bytes_per_elem is None else kv_bytes_per_elem
     compute, memory = attention_seconds_per_key(dims, hw, batch, tp, kv, read_kv=True)
-    layer = (layer_linear_seconds(dims, hw, batch, tp, dtype_bytes, precision)
-             + elementwise_seconds(hw, layer_elementwise_bytes(dims, batch, tp, dtype_bytes))
-             + max(compute, memory) * context_len)
+    layer = _layer_without_attention(dims, hw, batch, tp, dtype_bytes, precision) + max(compute, memory) * context_len
     return (dims.num_layers * layer + head_seconds(dims, hw, batch, tp, dtype_bytes, "generate")
             + _tp_comm_per_pass(dims, batch, batch, tp, hw, not intra_node))
 
