@@ -238,6 +238,47 @@ def measure_matmuls(shapes: set[tuple[int, int]], dtype_bytes: int, threads: int
     return tuple(fits)
 
 
+def _probe_trainer(model: Any, sharding: str, group: Any) -> Any:
+    """`model` as the executor trains it on a probe: wrapped for `sharding` over `group` (none: alone),
+    with its optimizer, in a role state `training.update` takes."""
+    from graphrl.executors.parallel import build_optimizer, wrap_trainer
+    from graphrl.executors.roles import RoleState
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
+
+    wrapped, wrapping = wrap_trainer(model, sharding, group, torch.device("cpu"))
+    optimizer = build_optimizer(wrapped, sharding, wrapping, group, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
+    placement = RolePlacement(role="probe", model="probe", kind="train", ops=["train"], mesh="probe",
+                              memory_bytes=MemoryBytes())
+    return RoleState(placement, model, wrapped, wrapping, optimizer)
+
+
+def _probe_generate(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, uniforms: torch.Tensor) -> Any:
+    """The executor's sampler on a probe: eos_id -1 never occurs, so every call runs all passes; one
+    uniform number per row and token, as the executor draws them."""
+    from graphrl.executors.models.llama import generate
+    from graphrl.tasks import PAD
+
+    return generate(model, prompt_ids, prompt_mask, uniforms.shape[1], temperature=1.0, top_p=1.0,
+                    uniforms=uniforms, eos_id=-1, pad_id=PAD)
+
+
+def _probe_update(role: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: Any,
+                  advantages: torch.Tensor, group: Any) -> Callable[[], None]:
+    """One call of the executor's own update (loss weights, GRPO loss, clipping, AdamW) on `out`."""
+    from graphrl.executors import training
+    from graphrl.schemas.job import AlgorithmSpec
+
+    rollouts = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
+                    response_mask=out.response_mask, behaviour_logprobs=out.logprobs, version=torch.tensor([0]))
+    algorithm = AlgorithmSpec()
+
+    def update() -> None:
+        training.update(role, "grpo", algorithm, rollouts, {"advantages": advantages}, None, None,
+                        temperature=1.0, group=group, rt=_PROBE_RUNTIME, node="probe", step=0)
+
+    return update
+
+
 def probe_model_code(
     dims: ModelDims = MODEL_PRESETS["tiny-digits"],
     layers: tuple[int, ...] = (1, 4),
@@ -249,55 +290,29 @@ def probe_model_code(
     """Time generation, a log-prob forward and a training step (GRPO/PPO loss, gradient clipping,
     AdamW) as the executor runs them, on `dims` at every depth in `layers` and batch in `batches`, in
     the dtype of `dtype_bytes` bytes, with this process's torch threads."""
-    from graphrl.executors import training
-    from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy
-    from graphrl.executors.parallel import build_optimizer, wrap_trainer
-    from graphrl.executors.roles import RoleState
-    from graphrl.schemas.job import AlgorithmSpec
-    from graphrl.schemas.plan import MemoryBytes, RolePlacement
-    from graphrl.tasks import PAD
+    from graphrl.executors.models.llama import Llama, token_logprobs_and_entropy
 
     # Side by side on several processes, the probe trains data-parallel over all of them (DDP on gloo), as
     # the ranks of a run do: its step includes the gradient reduction and the loss's all-reduces.
     group = dist.group.WORLD if dist.is_initialized() else None
-    device = torch.device("cpu")
-    placement = RolePlacement(role="probe", model="probe", kind="train", ops=["train"], mesh="probe",
-                              memory_bytes=MemoryBytes())
-    algorithm = AlgorithmSpec()
     probes = []
     for num_layers, batch in itertools.product(layers, batches):
         d = dims.model_copy(update=dict(num_layers=num_layers))
         torch.manual_seed(0)
         model = Llama(d).to(_TORCH_DTYPES[dtype_bytes])
-        wrapped, wrapping = wrap_trainer(model, "none", group, device)
-        optimizer = build_optimizer(wrapped, "none", wrapping, group, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
-        role = RoleState(placement, model, wrapped, wrapping, optimizer)
+        role = _probe_trainer(model, "none", group)
         prompt_ids = torch.randint(3, d.vocab_size, (batch, prompt_len))
         prompt_mask = torch.ones(batch, prompt_len, dtype=torch.bool)
-
         uniforms = torch.rand(batch, response_len, generator=torch.Generator().manual_seed(0))
 
-        def gen() -> Any:
-            # eos_id -1 never occurs, so every call runs all response_len passes; one uniform number per
-            # row and token, as the executor's sampler draws them
-            return generate(model, prompt_ids, prompt_mask, response_len, temperature=1.0, top_p=1.0,
-                            uniforms=uniforms, eos_id=-1, pad_id=PAD)
-
         model.eval()
-        out = gen()
-        t_gen = _typical_time(gen, repeat=5)
-        advantages = torch.randn(batch, response_len)
+        out = _probe_generate(model, prompt_ids, prompt_mask, uniforms)
+        t_gen = _typical_time(lambda: _probe_generate(model, prompt_ids, prompt_mask, uniforms), repeat=5)
+        train = _probe_update(role, prompt_ids, prompt_mask, out, torch.randn(batch, response_len), group)
 
         def forward() -> None:
             with torch.no_grad():
                 token_logprobs_and_entropy(model, prompt_ids, prompt_mask, out.response_ids, out.response_mask)
-
-        rollouts = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
-                        response_mask=out.response_mask, behaviour_logprobs=out.logprobs, version=torch.tensor([0]))
-
-        def train() -> None:  # the executor's own update: loss weights, GRPO loss, clipping, AdamW
-            training.update(role, "grpo", algorithm, rollouts, {"advantages": advantages}, None, None,
-                            temperature=1.0, group=group, rt=_PROBE_RUNTIME, node="probe", step=0)
 
         model.train()
         t_fwd = _typical_time(forward, repeat=5)
@@ -322,18 +337,10 @@ def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[
                   batch: int = 128, prompt_len: int = 6, response_len: int = 5) -> list[Probe]:
     """On the processes of a gloo group: a training step with FSDP2 (`sharding: fsdp`) over all of them,
     and generation on one tensor-parallel replica over all of them, as the executor runs both."""
-    from graphrl.executors import training
-    from graphrl.executors.models.llama import Llama, generate
-    from graphrl.executors.parallel import build_optimizer, wrap_trainer
-    from graphrl.executors.roles import RoleState
+    from graphrl.executors.models.llama import Llama
     from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
-    from graphrl.schemas.job import AlgorithmSpec
-    from graphrl.schemas.plan import MemoryBytes, RolePlacement
-    from graphrl.tasks import PAD
 
     world = dist.get_world_size()
-    placement = RolePlacement(role="probe", model="probe", kind="train", ops=["train"], mesh="probe",
-                              memory_bytes=MemoryBytes())
     probes = []
     for num_layers in layers:
         d = dims.model_copy(update=dict(num_layers=num_layers))
@@ -344,26 +351,13 @@ def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[
         uniforms = torch.rand(batch, response_len, generator=torch.Generator().manual_seed(1))
         sharded = TensorParallelLlama.from_full(model, TensorParallelGroup(dist.get_rank(), world, dist.group.WORLD))
         sharded.eval()
-
-        def gen(m: Any) -> Any:
-            return generate(m, prompt_ids, prompt_mask, response_len, temperature=1.0, top_p=1.0, uniforms=uniforms,
-                            eos_id=-1, pad_id=PAD)
-
-        out = gen(sharded)
-        probes.append(Probe("generate", d, batch, prompt_len, response_len, _typical_time(lambda: gen(sharded)),
-                            4, torch.get_num_threads(), world, tp=world))
-        wrapped, wrapping = wrap_trainer(model, "fsdp", dist.group.WORLD, torch.device("cpu"))
-        optimizer = build_optimizer(wrapped, "fsdp", wrapping, dist.group.WORLD, lr=1e-4, betas=(0.9, 0.999),
-                                    weight_decay=0.0)
-        role = RoleState(placement, model, wrapped, wrapping, optimizer)
-        rollouts = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
-                        response_mask=out.response_mask, behaviour_logprobs=out.logprobs, version=torch.tensor([0]))
+        out = _probe_generate(sharded, prompt_ids, prompt_mask, uniforms)
+        t_gen = _typical_time(lambda: _probe_generate(sharded, prompt_ids, prompt_mask, uniforms))
+        probes.append(Probe("generate", d, batch, prompt_len, response_len, t_gen, 4, torch.get_num_threads(), world,
+                            tp=world))
         advantages = torch.randn(batch, response_len, generator=torch.Generator().manual_seed(2))
-
-        def train() -> None:
-            training.update(role, "grpo", AlgorithmSpec(), rollouts, {"advantages": advantages}, None, None,
-                            temperature=1.0, group=dist.group.WORLD, rt=_PROBE_RUNTIME, node="probe", step=0)
-
+        train = _probe_update(_probe_trainer(model, "fsdp", dist.group.WORLD), prompt_ids, prompt_mask, out,
+                              advantages, dist.group.WORLD)
         probes.append(Probe("train", d, batch, prompt_len, response_len, _typical_time(train), 4,
                             torch.get_num_threads(), world, sharding="fsdp"))
     return probes
