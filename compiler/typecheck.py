@@ -284,6 +284,27 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
     return tuple(warnings)
 
 
+def _check_mini_batch(graph: JobGraph, sizes: dict[str, dict[str, int]]) -> None:
+    """`algorithm.mini_batch_size` cuts the batch of responses into equal optimizer steps: it must divide it."""
+    mini = graph.job.algorithm.mini_batch_size
+    if mini == 0:
+        return
+    for node in graph.nodes():
+        if node.op != "generate":
+            continue
+        responses = sizes[node.name].get("N")
+        if responses is not None and responses % mini:
+            raise JobError(
+                f"mini_batch_size {mini} does not divide the batch of {responses} responses (node {node.name!r})",
+                path=("algorithm", "mini_batch_size"),
+                fix=f"use a divisor of {responses}, e.g. {_largest_divisor_at_most(responses, mini)}, or 0 for one "
+                    "optimizer step per pass")
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
 def _check_model_dtypes(graph: JobGraph, target: Target) -> None:
     """For `run`, every model's dtype is one the executors run for each of its roles (a float16 trainer is
     preview-only: `graphrl.schemas.capabilities`)."""
@@ -306,6 +327,7 @@ def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Targe
     # is the mistake to report.
     _check_consumed(graph)
     sizes = _unify_shapes(graph)
+    _check_mini_batch(graph, sizes)
     _check_references(graph)
     _check_model_dtypes(graph, target)
     warnings = _check_algorithm(graph) + check_pins(graph, cluster, target)

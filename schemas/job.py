@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from graphrl.schemas.algorithms import (ESTIMATORS, LOSSES, KLEstimatorName, KLPlacement, LossAggregation,
                                         Normalization, check_name)
@@ -88,6 +88,40 @@ class DatasetNode(_Node):
         return self
 
 
+class ResponseTokens(Frozen):
+    """How long the responses are, for the preview: every cost that depends on lengths (decode with
+    continuous batching, log-prob and training passes, rollout transfers) uses this distribution instead
+    of the hard limit `max_new_tokens`. Give `mean` (optionally `max` and `p90`), or `from` a run folder
+    whose samples.jsonl recorded the lengths; unset, every response is costed at `max_new_tokens`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    mean: Real | None = Field(default=None, gt=0, description="Mean response length in tokens.")
+    max: Integer | None = Field(
+        default=None, gt=0, description="Longest response in tokens (at most max_new_tokens; unset = max_new_tokens).")
+    p90: Real | None = Field(default=None, gt=0, description="90th percentile of the lengths (shapes the tail).")
+    from_run: Path | None = Field(
+        default=None, alias="from",
+        description="Run folder (relative to the job file) whose samples.jsonl recorded response lengths; the "
+                    "preview takes their measured distribution.")
+    measured: tuple[Integer, ...] = Field(
+        default=(), description="The lengths read from `from` when the job loads (filled in, not written).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ResponseTokens":
+        if self.from_run is not None:
+            if self.mean is not None or self.p90 is not None:
+                raise ValueError("give either 'from' (a run folder) or 'mean' (and 'p90'), not both")
+            return self
+        if self.mean is None:
+            raise ValueError("give 'mean' (the mean response length in tokens) or 'from' (a run folder)")
+        if self.max is not None and self.mean > self.max:
+            raise ValueError(f"mean {self.mean:g} is above max {self.max}")
+        if self.p90 is not None and self.max is not None and self.p90 > self.max:
+            raise ValueError(f"p90 {self.p90:g} is above max {self.max}")
+        return self
+
+
 class GenerateNode(_Node):
     """Sample responses from a model (KV-cache autoregressive decoding)."""
 
@@ -104,6 +138,23 @@ class GenerateNode(_Node):
     stop: list[str] = Field(
         default_factory=list, description="Extra stop strings (single tokens) besides the tokenizer's end tokens."
     )
+    response_tokens: ResponseTokens | None = Field(
+        default=None,
+        description="Assumed response lengths for the preview ({mean, max, p90} or {from: RUN_DIR}); unset = "
+                    "every response max_new_tokens long.")
+
+    @model_validator(mode="after")
+    def _lengths_within_limit(self) -> "GenerateNode":
+        lengths = self.response_tokens
+        if lengths is None:
+            return self
+        if lengths.max is not None and lengths.max > self.max_new_tokens:
+            raise ValueError(f"response_tokens.max {lengths.max} is above max_new_tokens {self.max_new_tokens}")
+        for name in ("mean", "p90"):
+            value = getattr(lengths, name)
+            if value is not None and value > self.max_new_tokens:
+                raise ValueError(f"response_tokens.{name} {value:g} is above max_new_tokens {self.max_new_tokens}")
+        return self
 
 
 class LogprobNode(_Node):
@@ -234,7 +285,18 @@ class AlgorithmSpec(Frozen):
     micro_batch_size: Integer = Field(
         default=0, ge=0, description="Responses per forward (and backward) on each rank; gradients accumulate over "
         "a rank's micro-batches, so the step equals the whole-batch step. 0 = a rank's whole batch at once.")
-    updates_per_step: Integer = Field(default=1, gt=0, description="Optimizer steps per batch (PPO epochs).")
+    mini_batch_size: Integer = Field(
+        default=0, ge=0, description="Responses per optimizer step (global): each pass over the batch takes "
+        "batch / mini_batch_size optimizer steps, each on its own share of the responses; must divide the batch. "
+        "0 = one optimizer step per pass on the whole batch.")
+    updates_per_step: Integer = Field(
+        default=1, gt=0, description="Passes over the batch per step (PPO epochs); each pass takes one optimizer step "
+        "per mini-batch.")
+    pack_sequences: Boolean = Field(
+        default=False, description="Log-prob, value and training passes pack each micro-batch's responses (prompt "
+        "and response tokens, no padding) into one sequence whose attention is block-diagonal, and cut "
+        "micro-batches by a token budget (micro_batch_size x the longest sequence) instead of by rows. The "
+        "losses equal the unpacked ones.")
     value_clip: Real = Field(default=0.2, gt=0, description="Critic value clipping range.")
 
 
