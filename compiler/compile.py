@@ -10,12 +10,13 @@ from graphrl.loader import LoadedJob
 from graphrl.schemas.capabilities import Target
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import JobSpec
-from graphrl.schemas.plan import Plan
+from graphrl.schemas.plan import Plan, WorkloadSummary
 
 from graphrl.compiler.bind import run_bindings
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.passes import CompileContext, run_passes
 from graphrl.compiler.pipeline import PIPELINE
+from graphrl.compiler.roles import Workload
 from graphrl.compiler.schedule import ProgramSettings
 from graphrl.compiler.state import Compilation, need
 
@@ -33,8 +34,18 @@ def plan_of(state: Compilation, cluster: ClusterSpec) -> Plan:
         job=state.job, cluster=cluster, hardware=placed.hardware, chosen=placed.chosen,
         baseline=placed.baseline, candidates_considered=placed.candidates_considered,
         candidates=list(placed.candidates), programs=state.programs,
-        bindings=run_bindings(state.graph, placed.chosen),
+        bindings=run_bindings(state.graph, placed.chosen), workload=summarize(placed.shape.workload),
     )
+
+
+def summarize(w: Workload) -> WorkloadSummary:
+    """What the preview states of the step sizes its costs assumed."""
+    lengths = w.response_lengths
+    return WorkloadSummary(
+        responses=w.responses, prompt_len=w.prompt_len, max_new_tokens=w.response_len, lengths=lengths.source,
+        mean_response_tokens=lengths.mean, p90_response_tokens=lengths.quantile(0.9),
+        longest_response_tokens=lengths.longest(w.responses), optimizer_steps=w.optimizer_steps,
+        passes=w.updates_per_step, packed=w.pack)
 
 
 def start(job: JobSpec) -> Compilation:

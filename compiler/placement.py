@@ -43,6 +43,7 @@ from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCf
                                          train_cfgs)
 from graphrl.compiler.memory import (MeshMemory, gen_per_sequence, gen_weights, infer_state, resident_while_generating,
                                      train_state, trainer_mesh_memory)
+from graphrl.compiler.roles import Workload
 
 
 # ------------------------------------------------------------------------------------------------
@@ -64,9 +65,11 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
     share = math.ceil(w.responses / gen.dp)
     waves = math.ceil(share / concurrent)
     batch = math.ceil(share / waves)
+    engine = p.hint(role.name).engine or "native"
     t = waves * timing.generation_time(role.dims, batch, w.prompt_len, w.response_len, gen.tp, gen.precision,  # type: ignore[arg-type]
-                                       p.hw, intra_node=not p.tp_group_spans(gen.tp), dtype_bytes=role.weight_bytes)
-    t *= timing.engine_time_factor(p.hw, p.hint(role.name).engine or "native")
+                                       p.hw, intra_node=not p.tp_group_spans(gen.tp), dtype_bytes=role.weight_bytes,
+                                       lengths=w.response_lengths, continuous=engine != "native")
+    t *= timing.engine_time_factor(p.hw, engine)
     return t + p.hw.op_overhead_s, min(concurrent, share)
 
 
@@ -74,34 +77,59 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, 
 METRICS_BYTES = 16 * 8
 
 
+@dataclass(frozen=True)
+class PassShape:
+    """What one log-prob, value or training pass over `responses` responses computes (all data-parallel
+    ranks together), as the executors cut it."""
+
+    tokens: float  # tokens through the trunk
+    keys: float  # keys each token attends to
+    head_rows: float  # positions the head scores: the real response tokens
+    microbatches: int  # per data-parallel rank
+
+
+def pass_shape(w: Workload, responses: int, d: int, pp: int) -> PassShape:
+    """A pass over `responses` responses on `d` data-parallel ranks: each rank's share cut into micro-batches
+    of `micro_batch` rows (packed: of a token budget of `micro_batch` longest sequences), one when unset;
+    pipelines need at least pp of them in flight."""
+    local = max(1, math.ceil(responses / d))
+    lengths = w.response_lengths
+    if w.pack:
+        budget = w.micro_batch * w.seq_len if w.micro_batch else math.inf
+        micro = max(1, math.ceil(local * (w.prompt_len + lengths.mean) / budget))
+    else:
+        micro = max(1, math.ceil(local / w.micro_batch)) if w.micro_batch else 1
+    seq, keys = w.pass_sequence(local / micro)
+    micro = max(micro, 4 * pp) if pp > 1 else micro
+    return PassShape(responses * seq, keys, responses * lengths.mean, micro)
+
+
 def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
     """Seconds per step of each op kind of each role on the trainer mesh, keyed by (kind, role)
-    (e.g. TrainStep of policy, Forward of reference); the instruction durations the simulator uses."""
+    (e.g. TrainStep of policy, Forward of reference); the instruction durations the simulator uses.
+    A training step is `updates_per_step` passes of `optimizer_steps` optimizer steps, each over its
+    mini-batch."""
     w = p.workload
-    spans_dp = p.spans(cfg.first, cfg.n) if cfg.dp * cfg.fsdp > 1 else False
-    # Log-prob, value and training passes run the head on the response positions only.
-    common = dict(seq_len=w.seq_len, hw=p.hw, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
-                  intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp,
-                  head_rows=w.responses * w.response_len)
-    # Micro-batches per data-parallel rank: the job's micro-batch size splits the local share (one
-    # micro-batch when unset); pipelines need at least pp of them in flight.
-    local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
-    micro = max(1, math.ceil(local / w.micro_batch)) if w.micro_batch else 1
-    common["microbatches"] = max(micro, 4 * cfg.pp) if cfg.pp > 1 else micro
+    d = cfg.dp * cfg.fsdp
+    spans_dp = p.spans(cfg.first, cfg.n) if d > 1 else False
+    common = dict(hw=p.hw, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
+                  intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp)
+    whole = pass_shape(w, w.responses, d, cfg.pp)
+    mini = pass_shape(w, w.responses // w.optimizer_steps, d, cfg.pp)
     out: dict[CostKey, float] = {}
     for role in p.roles_of("infer", "train"):
-        forward = timing.forward_time(role.dims, tokens=w.tokens, dtype_bytes=role.weight_bytes,
+        forward = timing.forward_time(role.dims, tokens=whole.tokens, seq_len=whole.keys, head_rows=whole.head_rows,
+                                      microbatches=whole.microbatches, dtype_bytes=role.weight_bytes,
                                       **common).total_s + p.hw.op_overhead_s
         if role.kind == "infer":
             out[CostKey("Forward", role.name)] = forward
             continue
         step = timing.training_step_time(
-            role.dims, tokens=w.tokens, seq_len=w.seq_len, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp,
-            sharding=cfg.sharding, recompute=cfg.recompute, hw=p.hw,  # type: ignore[arg-type]
-            intra_node_tp=not p.tp_group_spans(cfg.tp), dp_spans_nodes=spans_dp, microbatches=common["microbatches"],
-            dtype_bytes=role.weight_bytes, head_rows=common["head_rows"],
-        )
-        out[CostKey("TrainStep", role.name)] = step.total_s * w.updates_per_step + p.hw.op_overhead_s
+            role.dims, tokens=mini.tokens, seq_len=mini.keys, head_rows=mini.head_rows, microbatches=mini.microbatches,
+            sharding=cfg.sharding, recompute=cfg.recompute, dtype_bytes=role.weight_bytes,  # type: ignore[arg-type]
+            **common)
+        steps = w.updates_per_step * w.optimizer_steps
+        out[CostKey("TrainStep", role.name)] = step.total_s * steps + p.hw.op_overhead_s
         if role is p.policy:  # the step's metrics (reward, loss, ...) are all-reduced over the trainer ranks
             out[CostKey("TrainStep", role.name)] += timing.collective_time(
                 "all_reduce", METRICS_BYTES, cfg.n, p.hw, p.spans(cfg.first, cfg.n))

@@ -111,6 +111,8 @@ def render_text(plan: Plan, *, explain: bool = False, width: int = 160) -> str:
     head = (f"job {plan.job.name} on {plan.cluster.name}: {plan.cluster.num_devices} x {plan.hardware.name} "
             f"({plan.cluster.num_nodes} nodes)\nchosen: {plan.chosen.label}  [{plan.chosen.estimate.mode}]")
     parts: list = [Text(head, style="bold")]
+    if plan.workload is not None:
+        parts.append(Text(plan.workload.describe()))
     refusals = plan_refusals(plan)
     if refusals:
         parts.append(Text("preview only, `graphrl run` refuses this plan: "

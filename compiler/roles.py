@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from graphrl.compiler.lengths import Lengths, lengths_of
 from graphrl.errors import JobError
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
@@ -39,7 +40,10 @@ class Workload:
     prompt_len: int  # P
     response_len: int  # R
     micro_batch: int  # responses per forward/backward (0 = whole local batch)
-    updates_per_step: int
+    updates_per_step: int  # passes over the batch
+    mini_batch: int = 0  # responses per optimizer step (0 = the whole batch)
+    pack: bool = False  # log-prob and training passes pack each micro-batch's sequences
+    lengths: Lengths | None = None  # response lengths (None: every response response_len long)
 
     @property
     def responses(self) -> int:
@@ -52,6 +56,28 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.responses * self.seq_len
+
+    @property
+    def response_lengths(self) -> Lengths:
+        return self.lengths if self.lengths is not None else Lengths.fixed(self.response_len)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per pass over the batch."""
+        return self.responses // self.mini_batch if self.mini_batch else 1
+
+    def pass_sequence(self, rows_per_micro_batch: float) -> tuple[float, float]:
+        """(tokens per response, keys per token) of a log-prob or training pass whose micro-batches hold
+        `rows_per_micro_batch` responses: packed, the tokens that exist, each attending within its own
+        sequence; padded, every row as wide as its micro-batch's longest response (the executors trim
+        the columns no row of the micro-batch uses), attending over the whole row."""
+        lengths = self.response_lengths
+        if self.pack:
+            seq = self.prompt_len + lengths.mean
+            square = self.prompt_len ** 2 + 2 * self.prompt_len * lengths.mean + lengths.mean_square
+            return seq, square / seq
+        seq = self.prompt_len + lengths.longest(rows_per_micro_batch)
+        return seq, seq
 
 
 @dataclass(frozen=True)
@@ -141,4 +167,6 @@ def derive_workload(graph: JobGraph) -> Workload:
     return Workload(
         prompts=sizes["B"], samples_per_prompt=gen.spec.samples_per_prompt, prompt_len=sizes["P"],
         response_len=sizes["R"], micro_batch=alg.micro_batch_size, updates_per_step=alg.updates_per_step,
+        mini_batch=alg.mini_batch_size, pack=alg.pack_sequences,
+        lengths=lengths_of(gen.spec.response_tokens, sizes["R"]),
     )

@@ -36,6 +36,7 @@ from graphrl.schemas.job import PRECISION_BYTES
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.sharding import LLAMA_LAYER, TpStyle
 
+from graphrl.compiler.lengths import Lengths
 from graphrl.compiler.cost import (BF16_BYTES, DDP_BUCKET_BYTES, FP32_BYTES, SHARDINGS, Precision, Sharding,
                                    UnsupportedPrecisionError, fp8_dequantizes, fsdp_units, kv_shards,
                                    param_count)
@@ -411,17 +412,22 @@ def generation_time(
     *,
     dtype_bytes: float = BF16_BYTES,
     kv_bytes_per_elem: float | None = None,
+    lengths: Lengths | None = None,
+    continuous: bool = False,
 ) -> float:
-    """Seconds for one generator replica (a tp group) to answer `batch` prompts with `response_len`
-    tokens each, as the native sampler runs it: a prefill forward over the prompts, then one forward per
-    further token, all sequences in lockstep (no early stop, no continuous batching).
+    """Seconds for one generator replica (a tp group) to answer `batch` prompts: a prefill forward over the
+    prompts, then one forward per further token.
 
+    - lengths: the responses' length distribution (default: every response `response_len` long). The
+      native sampler decodes its batch in lockstep until its longest response ends
+      (`Lengths.longest(batch)` steps, every row computed); a continuous-batching engine (`continuous`)
+      decodes only the responses still running, its batch shrinking along `Lengths.survival`;
     - prefill: every layer's linears, attention (each prompt token over the whole prompt) and elementwise
       work over batch*prompt_len tokens, the head and sampling over the batch's last positions;
-    - decode step j (1-based, feeding position prompt_len + j - 1): the linears, elementwise work, head and
-      sampling over `batch` rows (`matmul_seconds` makes them memory-bound at small batches), and
-      attention over the prompt_len + j cached keys: max(its FLOPs, the K/V bytes it reads), summed over
-      the steps exactly in closed form;
+    - a decode step over b running rows emitting token t (feeding position prompt_len + t - 2): the
+      linears, elementwise work, head and sampling over b rows (`matmul_seconds` makes them memory-bound
+      at small b), and attention over the prompt_len + t - 1 cached keys: max(its FLOPs, the K/V bytes it
+      reads), summed over the steps in closed form;
     - tensor parallel (tp > 1): `_tp_comm_per_pass` per pass;
     - host: `layer_overhead_s` per layer (plus `tensor_parallel_layer_overhead_s` on a tp rank) and
       `pass_overhead_s` per pass, `decode_token_overhead_s` per generated token and layer.
@@ -432,6 +438,7 @@ def generation_time(
     kv = dtype_bytes if kv_bytes_per_elem is None else kv_bytes_per_elem
     layers = dims.num_layers
     spans_nodes = not intra_node
+    lengths = lengths if lengths is not None else Lengths.fixed(response_len)
 
     prompt_tokens = batch * prompt_len
     att_prompt, _ = attention_seconds_per_key(dims, hw, prompt_tokens, tp, kv, read_kv=False)
@@ -440,17 +447,23 @@ def generation_time(
     prefill += head_seconds(dims, hw, batch, tp, dtype_bytes, "generate")
     prefill += _tp_comm_per_pass(dims, prompt_tokens, batch, tp, hw, spans_nodes)
 
-    steps = max(response_len - 1, 0)
-    # Every decode step but its attention, which grows with the context and is summed below.
-    per_step = decode_step_cost(dims, batch, 0, tp, hw, precision=precision, dtype_bytes=dtype_bytes,
-                                kv_bytes_per_elem=kv, intra_node=intra_node)
-    att_compute, att_memory = attention_seconds_per_key(dims, hw, batch, tp, kv, read_kv=True)
-    attention = layers * _sum_max_linear(0.0, att_compute, 0.0, att_memory, prompt_len + 1, prompt_len + steps)
-
     per_layer = hw.layer_overhead_s + (hw.tensor_parallel_layer_overhead_s if tp > 1 else 0.0)
-    host = (1 + steps) * (layers * per_layer + hw.pass_overhead_s)
-    host += batch * response_len * layers * hw.decode_token_overhead_s
-    return prefill + steps * per_step + attention + host
+    per_pass_host = layers * per_layer + hw.pass_overhead_s
+    spans = lengths.survival(batch) if continuous else [(0.0, lengths.longest(batch), float(batch))]
+    decode, host = 0.0, per_pass_host
+    for first, last, rows in spans:
+        host += rows * (last - first) * layers * hw.decode_token_overhead_s
+        steps = last - max(first, 1.0)  # token 1 comes from the prefill's logits
+        if steps <= 0:
+            continue
+        # Every decode step but its attention, which grows with the context: keys sum to
+        # steps * (prompt_len + mean t - 1) over the span's tokens t.
+        per_step = decode_step_cost(dims, math.ceil(rows), 0, tp, hw, precision=precision, dtype_bytes=dtype_bytes,
+                                    kv_bytes_per_elem=kv, intra_node=intra_node)
+        att_compute, att_memory = attention_seconds_per_key(dims, hw, rows, tp, kv, read_kv=True)
+        keys = steps * (prompt_len + (max(first, 1.0) + 1 + last) / 2 - 1)
+        decode += steps * (per_step + per_pass_host) + layers * max(att_compute, att_memory) * keys
+    return prefill + decode + host
 
 
 def decode_step_cost(

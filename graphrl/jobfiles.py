@@ -32,6 +32,9 @@ def resolve_job_files(spec: JobSpec, base_dir: Path) -> JobSpec:
         models[name] = model.model_copy(update={"checkpoint": path})
     nodes = {}
     for name, node in spec.nodes.items():
+        if node.op == "generate":
+            nodes[name] = _measured_lengths(name, node, base_dir)
+            continue
         if node.op != "dataset" or node.file is None:
             nodes[name] = node
             continue
@@ -45,6 +48,26 @@ def resolve_job_files(spec: JobSpec, base_dir: Path) -> JobSpec:
         _check_prompt_lengths(name, node, rows, _generating_checkpoint(spec, name, models))
         nodes[name] = node
     return spec.model_copy(update={"models": models, "nodes": nodes})
+
+
+def _measured_lengths(name: str, node, base_dir: Path):  # noqa: ANN001, ANN202
+    """A generate node whose `response_tokens.from` names a run folder, with the lengths that run recorded."""
+    lengths = node.response_tokens
+    if lengths is None or lengths.from_run is None:
+        return node
+    from graphrl.compiler.lengths import read_measured
+
+    folder = _absolute(lengths.from_run, base_dir)
+    path = ("nodes", name, "response_tokens", "from")
+    if not folder.is_dir():
+        raise JobError(f"run folder {folder} does not exist", path=path,
+                       fix="give the folder of an earlier `graphrl run` (relative to the job file)")
+    measured = read_measured(folder)
+    if not measured:
+        raise JobError(f"{folder / 'samples.jsonl'} records no response lengths", path=path,
+                       fix="run with run.samples_per_step > 0 first, or give response_tokens: {mean: ..., max: ...}")
+    return node.model_copy(update={"response_tokens": lengths.model_copy(
+        update={"from_run": folder, "measured": measured})})
 
 
 def _generating_checkpoint(spec: JobSpec, dataset: str, models: dict) -> Path | None:  # noqa: ANN001

@@ -457,7 +457,7 @@ def apply_overrides(job: LoadedJob, overrides: Sequence[Override]) -> LoadedJob:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, JobSpec, data, source, JobError) from None
-    return LoadedJob(spec, source, job.path)
+    return with_files_resolved(LoadedJob(spec, source, job.path))
 
 
 def load_cluster(ref: str | Path, base_dir: Path | None = None) -> ClusterSpec:

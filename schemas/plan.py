@@ -186,6 +186,31 @@ class RunBindings(Frozen):
     last_train_node: str = Field(description="The step's last update, after which its data is no longer read.")
 
 
+class WorkloadSummary(Frozen):
+    """The sizes of one step the plan's costs assume, as the preview states them."""
+
+    responses: int = Field(ge=0, description="Responses per step (prompts x samples per prompt).")
+    prompt_len: int = Field(ge=0, description="Prompt tokens per response (the longest prompt).")
+    max_new_tokens: int = Field(ge=0, description="The hard limit on a response's length.")
+    lengths: str = Field(description="How the response lengths were given (assumed, measured, or the limit).")
+    mean_response_tokens: float = Field(ge=0, description="Mean response length the costs assume.")
+    p90_response_tokens: float = Field(ge=0, description="90th percentile of the assumed lengths.")
+    longest_response_tokens: float = Field(ge=0, description="The longest response of the batch, expected.")
+    optimizer_steps: int = Field(ge=1, description="Optimizer steps per pass over the batch (mini-batches).")
+    passes: int = Field(ge=1, description="Passes over the batch per step (updates_per_step).")
+    packed: bool = Field(description="Log-prob and training passes pack sequences (no padding).")
+
+    def describe(self) -> str:
+        train = (f"{self.passes} pass{'es' if self.passes > 1 else ''} of {self.optimizer_steps} optimizer "
+                 f"step{'s' if self.optimizer_steps > 1 else ''}, {'packed' if self.packed else 'padded'} sequences")
+        lengths = self.lengths
+        if self.mean_response_tokens < self.max_new_tokens:
+            lengths += (f": mean {self.mean_response_tokens:.0f}, p90 {self.p90_response_tokens:.0f}, longest of "
+                        f"the batch {self.longest_response_tokens:.0f} (limit {self.max_new_tokens})")
+        return (f"{self.responses} responses per step, prompts of {self.prompt_len} tokens; response lengths: "
+                f"{lengths}; training: {train}")
+
+
 class Plan(Frozen):
     """The compiler's output."""
 
@@ -199,6 +224,7 @@ class Plan(Frozen):
     candidates: list[CandidateSummary] = Field(default_factory=list, description="Best and rejected candidates.")
     programs: TypedPrograms | None = Field(default=None, description="Per-rank periodic programs, once scheduled.")
     bindings: RunBindings | None = Field(default=None, description="Nodes and roles as the executors run them.")
+    workload: WorkloadSummary | None = Field(default=None, description="The step sizes the costs assume.")
 
     def preview_dict(self) -> dict[str, Any]:
         """The documented JSON preview (`graphrl compile --plan --format json`)."""
@@ -231,6 +257,7 @@ class Plan(Frozen):
             "phases": self.chosen.estimate.phases,
             "mode": self.chosen.estimate.mode,
             "estimate_method": self.chosen.estimate.method,
+            "workload": None if self.workload is None else self.workload.model_dump(),
             "preview_only": [r.message() for r in plan_refusals(self)],
             "baseline": None if self.baseline is None else {
                 "label": self.baseline.label,

@@ -1,0 +1,196 @@
+"""Response lengths: the distribution the preview costs responses by.
+
+Real RL responses are far shorter than `max_new_tokens` on average and have a long tail. A generate
+node's `response_tokens` says so ({mean, max, p90}, or the lengths a run measured); this module turns it
+into a `Lengths`: a sorted grid of equally likely lengths, from which every length-dependent cost reads
+what it needs:
+
+- `mean`: tokens that exist (packed passes, the engine's total decode work);
+- `longest(n)`: the expected longest of n responses (a lockstep sampler decodes until it ends; a padded
+  micro-batch of n rows is that wide);
+- `survival(k)`: how many responses are still decoding after how many steps, in k segments (a
+  continuous-batching engine's batch shrinks as responses end).
+
+{mean, max, p90} is read as a log-normal length clipped at `max` (the responses that reach the limit
+are cut there): p90 fixes its spread; without p90 the spread is `DEFAULT_SIGMA`, a coefficient of
+variation of about 0.66. Unset, every response is `max_new_tokens` long.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+from graphrl.schemas.job import ResponseTokens
+
+GRID = 2048
+"""Equally likely lengths the distribution is held as."""
+DEFAULT_SIGMA = 0.6
+"""Spread of the log-normal when only the mean is given: a coefficient of variation of sqrt(e^0.36 - 1)."""
+_NORMAL = NormalDist()
+_Z90 = _NORMAL.inv_cdf(0.9)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths in tokens as `GRID` (or a run's measured count of) equally likely values, sorted."""
+
+    grid: tuple[float, ...]
+    source: str
+    """How the distribution was given, for the preview ('max_new_tokens', 'mean 795, max 4096', ...)."""
+
+    @classmethod
+    def fixed(cls, length: int) -> "Lengths":
+        return cls((float(length),), f"every response {length} tokens (max_new_tokens)")
+
+    @property
+    def mean(self) -> float:
+        return math.fsum(self.grid) / len(self.grid)
+
+    @property
+    def max(self) -> float:
+        return self.grid[-1]
+
+    @property
+    def mean_square(self) -> float:
+        return math.fsum(x * x for x in self.grid) / len(self.grid)
+
+    def quantile(self, q: float) -> float:
+        """The length below which a fraction `q` of responses end."""
+        return self.grid[min(len(self.grid) - 1, max(0, math.ceil(q * len(self.grid)) - 1))]
+
+    def longest(self, n: float) -> float:
+        """Expected longest of `n` responses drawn from the distribution: sum of x_i (F_i^n - F_{i-1}^n)
+        over the grid, F_i = i / size."""
+        if n <= 1:
+            return self.mean if n > 0 else 0.0
+        return _expected_max(self.grid, float(n))
+
+    def survival(self, n: float, segments: int = 16) -> list[tuple[float, float, float]]:
+        """A decode of `n` responses that all start together, as `segments` spans of decode steps
+        (first_step, last_step, responses still decoding): span j ends where a fraction j/segments of
+        the responses have ended (the last span at the expected longest of n), and holds the mean
+        of the count still decoding over it, at least one."""
+        if n <= 0:
+            return []
+        bounds = [0.0] + [self.quantile(j / segments) for j in range(1, segments)] + [self.longest(n)]
+        spans = []
+        for j in range(segments):
+            lo, hi = bounds[j], max(bounds[j + 1], bounds[j])
+            if hi <= lo:
+                continue
+            spans.append((lo, hi, max(1.0, n * (segments - j - 0.5) / segments)))
+        return spans
+
+    def describe(self) -> str:
+        if len(self.grid) == 1:
+            return self.source
+        return (f"{self.source}: mean {self.mean:.0f}, p90 {self.quantile(0.9):.0f}, longest {self.max:.0f} "
+                "tokens")
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_max(grid: tuple[float, ...], n: float) -> float:
+    size = len(grid)
+    total, before = 0.0, 0.0
+    for i, x in enumerate(grid, start=1):
+        now = (i / size) ** n
+        total += x * (now - before)
+        before = now
+    return total
+
+
+def lengths_of(spec: ResponseTokens | None, max_new_tokens: int) -> Lengths:
+    """The distribution a generate node's `response_tokens` gives (every response `max_new_tokens` long
+    when unset)."""
+    if spec is None:
+        return Lengths.fixed(max_new_tokens)
+    limit = spec.max if spec.max is not None else max_new_tokens
+    if spec.measured:
+        grid = tuple(sorted(float(min(max(x, 1), limit)) for x in spec.measured))
+        return Lengths(grid, f"measured in {spec.from_run} ({len(grid)} responses)")
+    assert spec.mean is not None  # the schema: mean or from
+    given = f"mean {spec.mean:g}, max {limit}" + (f", p90 {spec.p90:g}" if spec.p90 is not None else "")
+    return Lengths(_clipped_lognormal(float(spec.mean), limit, spec.p90), f"assumed {given}")
+
+
+@functools.lru_cache(maxsize=64)
+def _clipped_lognormal(mean: float, limit: int, p90: float | None) -> tuple[float, ...]:
+    """`GRID` equally likely lengths of min(X, limit), X log-normal, whose mean is `mean` and whose 90th
+    percentile is `p90` (spread `DEFAULT_SIGMA` when None)."""
+    if mean >= limit:
+        return (float(limit),)
+    sigma = DEFAULT_SIGMA if p90 is None else _sigma_for_p90(mean, limit, p90)
+    mu = _mu_for_mean(mean, limit, sigma)
+    zs = (_NORMAL.inv_cdf((i + 0.5) / GRID) for i in range(GRID))
+    grid = [min(math.exp(mu + sigma * z), float(limit)) for z in zs]
+    # The grid's mean differs from the distribution's by the discretisation; scale the unclipped part.
+    scale = _rescale(grid, mean, float(limit))
+    return tuple(max(1.0, min(x * scale, float(limit))) if x < limit else x for x in grid)
+
+
+def _clipped_mean(mu: float, sigma: float, limit: float) -> float:
+    """E[min(X, limit)] for log X ~ N(mu, sigma^2)."""
+    a = (math.log(limit) - mu) / sigma
+    return math.exp(mu + sigma * sigma / 2) * _NORMAL.cdf(a - sigma) + limit * (1 - _NORMAL.cdf(a))
+
+
+def _mu_for_mean(mean: float, limit: float, sigma: float) -> float:
+    lo, hi = math.log(mean) - 10 * sigma - 10, math.log(limit) + 10 * sigma + 10
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _clipped_mean(mid, sigma, limit) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _sigma_for_p90(mean: float, limit: float, p90: float) -> float:
+    """The spread whose clipped log-normal of mean `mean` has its 90th percentile at `p90` (the
+    percentile grows with the spread at a fixed mean, until it reaches the limit)."""
+    if p90 >= limit:
+        lo, hi = 0.01, 5.0  # p90 at the limit: at least 10% reach it; the smallest spread that does
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            mu = _mu_for_mean(mean, limit, mid)
+            lo, hi = (mid, hi) if math.exp(mu + mid * _Z90) < limit else (lo, mid)
+        return hi
+    lo, hi = 1e-3, 5.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        p = math.exp(_mu_for_mean(mean, limit, mid) + mid * _Z90)
+        lo, hi = (mid, hi) if p < p90 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _rescale(grid: list[float], mean: float, limit: float) -> float:
+    """The factor on the grid's unclipped lengths that makes its mean `mean`."""
+    clipped = sum(limit for x in grid if x >= limit)
+    free = sum(x for x in grid if x < limit)
+    if free <= 0:
+        return 1.0
+    return max(0.0, (mean * len(grid) - clipped) / free)
+
+
+def read_measured(run_dir: os.PathLike[str] | str, limit: int = 16384) -> tuple[int, ...]:
+    """Response lengths recorded in a run folder's samples.jsonl (`response_tokens` of each row), the most
+    recent `limit` of them; empty if the file has none."""
+    path = Path(run_dir) / "samples.jsonl"
+    if not path.is_file():
+        return ()
+    found: list[int] = []
+    with open(path) as f:
+        for line in f:
+            try:
+                value = json.loads(line).get("response_tokens")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                found.append(value)
+    return tuple(found[-limit:])
+
+
+__all__ = ["DEFAULT_SIGMA", "GRID", "Lengths", "lengths_of", "read_measured"]
