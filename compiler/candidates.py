@@ -325,12 +325,12 @@ def _check_generation_only_pins(role: Role, hint: RoleHint, path: tuple[str, ...
 
 def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target: Target,
                       hw: HardwareSpec | None) -> None:
-    """Each pinned value is one the enumeration takes for this role whatever the mesh: an installed engine
-    that holds the other pins, a tp that splits the model, a pp within its layers (and none for `run`), a
+    """Each pinned value is one the enumeration takes for this role whatever the mesh: an engine that holds
+    the other pins (installed here, for `run`: a preview of a GPU cluster is made anywhere), a tp that splits the model, a pp within its layers (and none for `run`), a
     precision the hardware computes in (once the hardware is known)."""
     if hint.engine is not None:
         engine = hint.engine
-        if not engine_available(engine):
+        if target == "run" and not engine_available(engine):
             raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
                                  path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")
         max_tp = ENGINE_MAX_TP[engine]

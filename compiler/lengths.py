@@ -72,26 +72,51 @@ class Lengths:
         return _expected_max(self.grid, float(n))
 
     def survival(self, n: float, segments: int = 16) -> list[tuple[float, float, float]]:
-        """A decode of `n` responses that all start together, as `segments` spans of decode steps
-        (first_step, last_step, responses still decoding): span j ends where a fraction j/segments of
-        the responses have ended (the last span at the expected longest of n), and holds the mean
-        of the count still decoding over it, at least one."""
+        """A decode of `n` responses that all start together, as up to `segments` spans of decode steps
+        (first_step, last_step, responses still decoding): span j ends where a fraction j/segments of the
+        responses have ended (the last at the expected longest of n), and holds the mean count still
+        decoding over its steps (exact for the grid), at least one."""
         if n <= 0:
             return []
-        bounds = [0.0] + [self.quantile(j / segments) for j in range(1, segments)] + [self.longest(n)]
-        spans = []
-        for j in range(segments):
-            lo, hi = bounds[j], max(bounds[j + 1], bounds[j])
-            if hi <= lo:
-                continue
-            spans.append((lo, hi, max(1.0, n * (segments - j - 0.5) / segments)))
-        return spans
+        return [(lo, hi, max(1.0, n * alive)) for lo, hi, alive in _survival(self.grid, float(n), segments)]
+
+    def peak_tokens(self, n: float, prompt_len: int) -> float:
+        """The most KV-cache tokens `n` responses that start together hold at once, when each frees its
+        cache as it ends (a paged engine): max over steps t of (responses still running) * (prompt_len + t)."""
+        return _peak_tokens(self.grid, float(n), prompt_len)
 
     def describe(self) -> str:
         if len(self.grid) == 1:
             return self.source
         return (f"{self.source}: mean {self.mean:.0f}, p90 {self.quantile(0.9):.0f}, longest {self.max:.0f} "
                 "tokens")
+
+
+@functools.lru_cache(maxsize=256)
+def _survival(grid: tuple[float, ...], n: float, segments: int) -> tuple[tuple[float, float, float], ...]:
+    size = len(grid)
+    longest = _expected_max(grid, n) if n > 1 else sum(grid) / size
+    quantile = lambda q: grid[min(size - 1, max(0, math.ceil(q * size) - 1))]  # noqa: E731
+    bounds = [0.0] + [min(quantile(j / segments), longest) for j in range(1, segments)] + [longest]
+    spans = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi <= lo:
+            continue
+        # The fraction still decoding, averaged over the span's steps: each length covers the part of
+        # [lo, hi] below it.
+        alive = math.fsum(min(max(x, lo), hi) - lo for x in grid) / (size * (hi - lo))
+        spans.append((lo, hi, alive))
+    return tuple(spans)
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_tokens(grid: tuple[float, ...], n: float, prompt_len: int) -> float:
+    longest = _expected_max(grid, n) if n > 1 else sum(grid) / len(grid)
+    size = len(grid)
+    peak = n * prompt_len
+    for i, x in enumerate(grid):
+        peak = max(peak, n * (size - i) / size * (prompt_len + min(x, longest)))
+    return peak
 
 
 @functools.lru_cache(maxsize=256)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from graphrl.errors import PlacementError
 from graphrl.ddma import DDMA_BUCKET_BYTES
@@ -50,27 +51,54 @@ from graphrl.compiler.roles import Workload
 # Time of the halves
 
 
-def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> tuple[float, int] | None:
-    """(seconds, concurrent sequences per replica) of generating one step's responses; None if no
-    sequence fits next to the weights. Replicas run in parallel; a replica that cannot hold its whole
-    share of sequences at once generates them in waves."""
+class GenerationTime(NamedTuple):
+    seconds: float
+    concurrent: int  # sequences in flight per replica
+    kv_tokens: float  # KV-cache tokens a replica holds
+
+
+def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTime | None:
+    """Seconds of generating one step's responses, the sequences in flight and the KV-cache tokens per
+    replica; None if no sequence fits next to the weights. Replicas run in parallel.
+
+    The native sampler allocates each sequence's cache for prompt_len + max_new_tokens up front: a replica
+    that cannot hold its whole share at once generates it in waves. An engine with a paged cache holds
+    only the tokens that exist and frees a response's blocks when it ends: it needs the peak of the
+    running responses' tokens (`Lengths.peak_tokens`), and runs in waves only where that exceeds its
+    cache. A generator's `memory_fraction` pin caps its weights and cache at that share of the device
+    (vLLM's gpu_memory_utilization), and the engine then holds all of it."""
     role = p.generator
     assert role is not None
     w = p.workload
+    hint = p.hint(role.name)
+    engine = hint.engine or "native"
+    if hint.memory_fraction is not None:
+        free_bytes = min(free_bytes, hint.memory_fraction * p.hw.memory_bytes)
     per_seq = gen_per_sequence(p, role, gen.tp)
     room = free_bytes - gen_weights(role, gen.tp, gen.precision)
-    concurrent = int(room // per_seq) if per_seq > 0 else 0
-    if concurrent < 1:
-        return None
     share = math.ceil(w.responses / gen.dp)
-    waves = math.ceil(share / concurrent)
+    if per_seq <= 0 or room < per_seq:
+        return None
+    lengths = w.response_lengths
+    if engine == "native":
+        concurrent = int(room // per_seq)
+        waves = math.ceil(share / concurrent)
+        kv_tokens = min(concurrent, share) * w.seq_len
+    else:
+        per_token = cost.kv_cache_bytes_per_token(role.dims, cost.BF16_BYTES) / cost.kv_shards(role.dims, gen.tp)
+        activations = per_seq - per_token * w.seq_len  # one decode row's working set
+        capacity = (room - activations * share) / per_token  # tokens of KV cache
+        if capacity < w.seq_len:
+            return None
+        peak = lengths.peak_tokens(share, w.prompt_len)
+        waves = math.ceil(peak / capacity)
+        kv_tokens = capacity if hint.memory_fraction is not None else min(capacity, max(peak, w.seq_len))
     batch = math.ceil(share / waves)
-    engine = p.hint(role.name).engine or "native"
     t = waves * timing.generation_time(role.dims, batch, w.prompt_len, w.response_len, gen.tp, gen.precision,  # type: ignore[arg-type]
                                        p.hw, intra_node=not p.tp_group_spans(gen.tp), dtype_bytes=role.weight_bytes,
-                                       lengths=w.response_lengths, continuous=engine != "native")
+                                       lengths=lengths, continuous=engine != "native")
     t *= timing.engine_time_factor(p.hw, engine)
-    return t + p.hw.op_overhead_s, min(concurrent, share)
+    return GenerationTime(t + p.hw.op_overhead_s, min(batch, share), kv_tokens)
 
 
 # One float64 per reported metric (reward sum and count, tokens, loss, KL, entropy, grad norm, ...).
@@ -133,8 +161,8 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
         if role is p.policy:  # the step's metrics (reward, loss, ...) are all-reduced over the trainer ranks
             out[CostKey("TrainStep", role.name)] += timing.collective_time(
                 "all_reduce", METRICS_BYTES, cfg.n, p.hw, p.spans(cfg.first, cfg.n))
-        # Critics (and any train role besides the policy) also run a forward for their values.
-        if role is not p.policy:
+        # A trained role may also run forwards: a critic's values, the policy's old log-probs.
+        if role.forwards:
             out[CostKey("Forward", role.name)] = forward
     return out
 
@@ -168,17 +196,34 @@ def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, f
     split over its tp ranks; all trainer ranks send in parallel. The busier of the receive side (one
     generator rank's share) and the send side (all bytes over all trainer ranks) moves its bytes in
     rounds of at most one DDMA bucket, timed as the weight-sync pass times the planned rounds
-    (`timing.weight_copy_seconds`)."""
+    (`timing.weight_copy_seconds`); a serving engine then reloads them (`engine_reload_time`)."""
     role = p.policy
     weights = cost.weight_bytes(role.dims, cost.BF16_BYTES)
     total = weights * gen.dp
     spans = p.spans(min(train.first, gen.first), train.n + gen.n)
     busiest = max(weights / gen.tp, total / train.n)  # one generator rank's share, one trainer rank's
     buckets = [DDMA_BUCKET_BYTES] * int(busiest // DDMA_BUCKET_BYTES) + [busiest % DDMA_BUCKET_BYTES]
-    return timing.weight_copy_seconds(p.hw, [b for b in buckets if b > 0], spans), total
+    copy = timing.weight_copy_seconds(p.hw, [b for b in buckets if b > 0], spans)
+    return copy + engine_reload_time(p, gen), total
+
+
+def engine_reload_time(p: Problem, gen: GenCfg) -> float:
+    """Seconds for the generator's engine to take the new weights it was handed: 0 for the native sampler,
+    which computes with the tensors it was given."""
+    role = p.generator
+    if role is None or (p.hint(role.name).engine or "native") == "native":
+        return 0.0
+    return timing.engine_reload_seconds(role.dims, p.hw, gen.tp, max(role.weight_bytes, cost.BF16_BYTES))
 
 
 def reshard_in_place_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
+    """(seconds, bytes) of filling the generator's weights from the trainer's on the same devices, and the
+    engine's reload of them (`engine_reload_time`)."""
+    t, moved = _fill_in_place(p, train, gen)
+    return t + engine_reload_time(p, gen), moved
+
+
+def _fill_in_place(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
     """Colocated: each device gathers its generator tp shard from the trainer's shards, one all-gather
     per weight tensor. Replicated trainer weights (no FSDP) with the generator's tp are read in place.
     An fsdp trainer exactly as wide as one tp generator already holds, on each device, that device's tp

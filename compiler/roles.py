@@ -29,6 +29,7 @@ class Role:
     dims: ModelDims
     ops: tuple[str, ...]
     weight_bytes: int  # bytes per parameter of the compute weights (dtype)
+    forwards: bool = False  # runs forward-only passes (log-probs, values, a reward model's scores)
 
 
 @dataclass(frozen=True)
@@ -141,13 +142,14 @@ def derive_roles(graph: JobGraph) -> list[Role]:
         wbytes = _DTYPE_BYTES[mspec.dtype]
         gen_ops = tuple(n.name for n in ops if n.op == "generate")
         other_ops = tuple(n.name for n in ops if n.op != "generate")
+        forwards = any(n.op not in ("generate", "train") for n in ops)
         if model in trained:
-            roles.append(Role(model, model, "train", dims, other_ops, wbytes))
+            roles.append(Role(model, model, "train", dims, other_ops, wbytes, forwards))
             if gen_ops:
                 roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes))
         else:
             if other_ops:
-                roles.append(Role(model, model, "infer", dims, other_ops, wbytes))
+                roles.append(Role(model, model, "infer", dims, other_ops, wbytes, forwards))
             if gen_ops:
                 roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes))
     order = {"train": 0, "generate": 1, "infer": 2}

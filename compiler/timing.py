@@ -39,7 +39,7 @@ from graphrl.schemas.sharding import LLAMA_LAYER, TpStyle
 from graphrl.compiler.lengths import Lengths
 from graphrl.compiler.cost import (BF16_BYTES, DDP_BUCKET_BYTES, FP32_BYTES, SHARDINGS, Precision, Sharding,
                                    UnsupportedPrecisionError, fp8_dequantizes, fsdp_units, kv_shards,
-                                   param_count)
+                                   param_count, param_tensor_count, weight_bytes)
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p"]
 
@@ -378,6 +378,15 @@ def _sum_max_linear(a1: float, b1: float, a2: float, b2: float, lo: int, hi: int
 
 
 
+def engine_reload_seconds(dims: ModelDims, hw: HardwareSpec, tp: int, dtype_bytes: float) -> float:
+    """Seconds for a serving engine to take new weights it was handed in place (a refit): its loader
+    visits every weight tensor (`engine_reload_tensor_s` each) and copies this rank's share of the
+    weights into its own parameters (read and written at the effective memory bandwidth)."""
+    copied = 2 * weight_bytes(dims, dtype_bytes) / tp
+    return (param_tensor_count(dims) * hw.engine_reload_tensor_s
+            + copied / (hw.memory_bandwidth * hw.memory_efficiency))
+
+
 def engine_time_factor(hw: HardwareSpec, engine: str) -> float:
     """How much longer (< 1: shorter) a generator on `engine` takes than the native sampler the roofline
     models: the ratio `graphrl calibrate` measured on this machine, or 1 where it measured none (the
@@ -429,6 +438,7 @@ def generation_time(
       at small b), and attention over the prompt_len + t - 1 cached keys: max(its FLOPs, the K/V bytes it
       reads), summed over the steps in closed form;
     - tensor parallel (tp > 1): `_tp_comm_per_pass` per pass;
+    - an engine's decode step takes at least `serving_step_floor_s` (its host side, overlapped);
     - host: `layer_overhead_s` per layer (plus `tensor_parallel_layer_overhead_s` on a tp rank) and
       `pass_overhead_s` per pass, `decode_token_overhead_s` per generated token and layer.
     `precision` 'fp8' stores block linears at one byte (`matmul_seconds`); the KV cache holds
@@ -462,7 +472,10 @@ def generation_time(
                                     kv_bytes_per_elem=kv, intra_node=intra_node)
         att_compute, att_memory = attention_seconds_per_key(dims, hw, rows, tp, kv, read_kv=True)
         keys = steps * (prompt_len + (max(first, 1.0) + 1 + last) / 2 - 1)
-        decode += steps * (per_step + per_pass_host) + layers * max(att_compute, att_memory) * keys
+        device = steps * per_step + layers * max(att_compute, att_memory) * keys
+        if continuous:  # an engine's host side overlaps the device's work: the slower sets the pace
+            device = max(device, steps * hw.serving_step_floor_s)
+        decode += device + steps * per_pass_host
     return prefill + decode + host
 
 

@@ -92,10 +92,12 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         else:
             free = p.usable - resident_while_generating(mem)
         res = generation_time(p, gen, free)
-        concurrent = res[1] if res else 1
+        concurrent = res.concurrent if res else 1
         gmem = cost.inference_memory(g.dims, tp=gen.tp, pp=1, precision=gen.precision,  # type: ignore[arg-type]
                                      batch=concurrent, context_len=p.workload.seq_len, generator=True)
-        gmem = replace(gmem, params=gen_weights(g, gen.tp, gen.precision))
+        kv_tokens = res.kv_tokens if res else p.workload.seq_len
+        gmem = replace(gmem, params=gen_weights(g, gen.tp, gen.precision),
+                       kv_cache=gmem.kv_cache * kv_tokens / (concurrent * p.workload.seq_len))
         placements.append(RolePlacement(
             role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
             precision=gen.precision, engine=engine, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from graphrl.schemas.plan import Layout
 from graphrl.schemas.weightsync import WeightSyncRecord
 
 from graphrl.compiler import timing
+from graphrl.compiler.cost import BF16_BYTES
 from graphrl.ddma import DDMA_BUCKET_BYTES, plan_llama_sync, sync_record
 from graphrl.compiler.roles import JobShape
 
@@ -55,9 +56,13 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
     if layout.strategy == "colocated":
         return WeightSyncPlan("in_place", transfer, durations[CostKey("ReshardInPlace", policy.model)])
     train, gen = shape.policy_meshes(layout)
-    precision = next(p.precision for p in layout.placements if p.role == gen_role.name)
+    placement = next(p for p in layout.placements if p.role == gen_role.name)
+    precision = placement.precision
     record, seconds = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
                                   precision)
+    if placement.engine != "native":  # the engine then takes the delivered weights into its own
+        seconds += timing.engine_reload_seconds(gen_role.dims, shape.hardware, placement.tp,
+                                                max(gen_role.weight_bytes, BF16_BYTES))
     return WeightSyncPlan("ddma", transfer, seconds, record)
 
 

@@ -193,6 +193,18 @@ class HardwareSpec(Frozen):
         description="Measured generation engines (from `graphrl calibrate`, where the engine is installed); a "
                     "generator on an engine without a measurement is costed as the native sampler.",
     )
+    serving_step_floor_s: Real = Field(
+        default=0.0, ge=0,
+        description="The shortest decode step of a serving engine (vLLM) at any batch: its host-side scheduling, "
+                    "sampling and output processing overlap the device's work, so a step takes the longer of the "
+                    "two; 0 means the device's work alone.",
+    )
+    engine_reload_tensor_s: Real = Field(
+        default=0.18e-3, ge=0,
+        description="Host seconds per weight tensor of reloading new weights into a serving engine (vLLM's "
+                    "weight loader), beside copying its bytes; the default is the per-tensor cost NeMo-RL measured "
+                    "for rebuilding a shared CUDA tensor in its refit (NeMo-RL blog, 2025-08-12).",
+    )
     kernel_overhead_s: Real = Field(
         default=0.0, ge=0,
         description="Fixed time of one kernel (launch and tail), seconds, added to every matmul's roofline; on a "
@@ -296,6 +308,12 @@ class HardwareSpec(Frozen):
         return self.backward_elementwise_bandwidth or self.elementwise_rate / 2
 
 
+# A vLLM decode step at light load: 13 ms per output token for Llama 3 8B on one H100 (vLLM v0.6.0
+# performance update, 2024-09-05), where the device's work alone (the weights read once) takes about
+# 6.4 ms: the rest is the engine's host side, which at light load sets the pace. The host side does not
+# depend on the GPU, so the A100 and H200 presets keep the same floor.
+SERVING_STEP_FLOOR_S = 13e-3
+
 # Datasheet figures (NVIDIA H100, H200 and A100 datasheets): dense (not sparse) tensor-core peaks.
 # NVLink per-device figures are total bidirectional bandwidth / 2; inter-node assumes one 400 Gb/s
 # (H100/H200) or 200 Gb/s (A100) NIC per GPU.
@@ -303,17 +321,17 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h100-sxm-80gb": HardwareSpec(
         name="h100-sxm-80gb", peak_bf16_flops=989 * TFLOPS, peak_fp8_flops=1979 * TFLOPS,
         memory_bytes=80 * GB, memory_bandwidth=3.35e12, intra_node_bandwidth=450 * GB,
-        inter_node_bandwidth=50 * GB, host_link_bandwidth=55 * GB,
+        inter_node_bandwidth=50 * GB, host_link_bandwidth=55 * GB, serving_step_floor_s=SERVING_STEP_FLOOR_S,
     ),
     "h200-141gb": HardwareSpec(
         name="h200-141gb", peak_bf16_flops=989 * TFLOPS, peak_fp8_flops=1979 * TFLOPS,
         memory_bytes=141 * GB, memory_bandwidth=4.8e12, intra_node_bandwidth=450 * GB,
-        inter_node_bandwidth=50 * GB, host_link_bandwidth=55 * GB,
+        inter_node_bandwidth=50 * GB, host_link_bandwidth=55 * GB, serving_step_floor_s=SERVING_STEP_FLOOR_S,
     ),
     "a100-sxm-80gb": HardwareSpec(
         name="a100-sxm-80gb", peak_bf16_flops=312 * TFLOPS, peak_fp8_flops=0.0,
         memory_bytes=80 * GB, memory_bandwidth=2.039e12, intra_node_bandwidth=300 * GB,
-        inter_node_bandwidth=25 * GB, host_link_bandwidth=25 * GB,
+        inter_node_bandwidth=25 * GB, host_link_bandwidth=25 * GB, serving_step_floor_s=SERVING_STEP_FLOOR_S,
     ),
     # Defaults for a CPU "device" (one rank = one process, one thread), rounded from `graphrl calibrate`
     # on a 2-core x86-64 cloud VM; a calibration file replaces them with this machine's figures. Plans

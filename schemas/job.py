@@ -332,6 +332,11 @@ class RoleHint(Frozen):
                     "'vllm' (a vLLM engine per generator replica; needs the vllm package).",
     )
 
+    memory_fraction: Real | None = Field(
+        default=None, gt=0, le=1,
+        description="A vLLM generator's share of device memory for its weights and KV cache (vLLM's "
+                    "gpu_memory_utilization); unset = the memory the plan leaves free.")
+
     @field_validator("devices")
     @classmethod
     def _range(cls, devices: str | None) -> str | None:
