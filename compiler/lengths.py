@@ -141,7 +141,11 @@ def lengths_of(spec: ResponseTokens | None, max_new_tokens: int) -> Lengths:
         return Lengths(grid, f"measured in {spec.from_run} ({len(grid)} responses)")
     assert spec.mean is not None  # the schema: mean or from
     given = f"mean {spec.mean:g}, max {limit}" + (f", p90 {spec.p90:g}" if spec.p90 is not None else "")
-    return Lengths(_clipped_lognormal(float(spec.mean), limit, spec.p90), f"assumed {given}")
+    lengths = Lengths(_clipped_lognormal(float(spec.mean), limit, spec.p90), f"assumed {given}")
+    if spec.p90 is not None and abs(lengths.quantile(0.9) - min(spec.p90, limit)) > 0.05 * spec.p90:
+        raise ValueError(f"no length distribution of mean {spec.mean:g} up to {limit} has its 90th percentile at "
+                         f"{spec.p90:g} (the nearest: {lengths.quantile(0.9):.0f})")
+    return lengths
 
 
 @functools.lru_cache(maxsize=64)
@@ -154,9 +158,12 @@ def _clipped_lognormal(mean: float, limit: int, p90: float | None) -> tuple[floa
     mu = _mu_for_mean(mean, limit, sigma)
     zs = (_NORMAL.inv_cdf((i + 0.5) / GRID) for i in range(GRID))
     grid = [min(math.exp(mu + sigma * z), float(limit)) for z in zs]
-    # The grid's mean differs from the distribution's by the discretisation; scale the unclipped part.
-    scale = _rescale(grid, mean, float(limit))
-    return tuple(max(1.0, min(x * scale, float(limit))) if x < limit else x for x in grid)
+    # The grid's mean differs from the distribution's by the discretisation: scale the unclipped part
+    # (a few times: scaling pushes some lengths onto the limit).
+    for _ in range(8):
+        scale = _rescale(grid, mean, float(limit))
+        grid = [max(1.0, min(x * scale, float(limit))) if x < limit else x for x in grid]
+    return tuple(grid)
 
 
 def _clipped_mean(mu: float, sigma: float, limit: float) -> float:
@@ -177,11 +184,14 @@ def _sigma_for_p90(mean: float, limit: float, p90: float) -> float:
     """The spread whose clipped log-normal of mean `mean` has its 90th percentile at `p90` (the
     percentile grows with the spread at a fixed mean, until it reaches the limit)."""
     if p90 >= limit:
-        lo, hi = 0.01, 5.0  # p90 at the limit: at least 10% reach it; the smallest spread that does
+        # p90 at the limit: a tenth of the responses reach it; the spread that puts a little more there
+        # (10.5%), so that the grid's 90th percentile is on the limit.
+        z = _NORMAL.inv_cdf(0.895)
+        lo, hi = 0.01, 5.0
         for _ in range(60):
             mid = (lo + hi) / 2
             mu = _mu_for_mean(mean, limit, mid)
-            lo, hi = (mid, hi) if math.exp(mu + mid * _Z90) < limit else (lo, mid)
+            lo, hi = (mid, hi) if math.exp(mu + mid * z) < limit else (lo, mid)
         return hi
     lo, hi = 1e-3, 5.0
     for _ in range(60):

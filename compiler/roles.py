@@ -170,5 +170,5 @@ def derive_workload(graph: JobGraph) -> Workload:
         prompts=sizes["B"], samples_per_prompt=gen.spec.samples_per_prompt, prompt_len=sizes["P"],
         response_len=sizes["R"], micro_batch=alg.micro_batch_size, updates_per_step=alg.updates_per_step,
         mini_batch=alg.mini_batch_size, pack=alg.pack_sequences,
-        lengths=lengths_of(gen.spec.response_tokens, sizes["R"]),
+        lengths=lengths_of(gen.spec.response_tokens, sizes["R"]),  # typecheck refused what it cannot hold
     )

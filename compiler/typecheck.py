@@ -32,6 +32,7 @@ from graphrl.schemas.cluster import ClusterSpec
 from graphrl.tasks import REWARDS, TASKS, resolve_callable
 
 from graphrl.compiler.candidates import check_pins
+from graphrl.compiler.lengths import lengths_of
 from graphrl.compiler.roles import derive_roles
 
 
@@ -301,6 +302,18 @@ def _check_mini_batch(graph: JobGraph, sizes: dict[str, dict[str, int]]) -> None
                     "optimizer step per pass")
 
 
+def _check_lengths(graph: JobGraph) -> None:
+    """A generate node's `response_tokens` is a distribution the preview can hold (`lengths_of`)."""
+    for node in graph.nodes():
+        if node.op != "generate":
+            continue
+        try:
+            lengths_of(node.spec.response_tokens, node.spec.max_new_tokens)
+        except ValueError as exc:
+            raise JobError(str(exc), path=("nodes", node.name, "response_tokens", "p90"),
+                           fix="give a p90 nearer the mean, or leave it out") from None
+
+
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
@@ -328,6 +341,7 @@ def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Targe
     _check_consumed(graph)
     sizes = _unify_shapes(graph)
     _check_mini_batch(graph, sizes)
+    _check_lengths(graph)
     _check_references(graph)
     _check_model_dtypes(graph, target)
     warnings = _check_algorithm(graph) + check_pins(graph, cluster, target)

@@ -119,6 +119,9 @@ class ResponseTokens(Frozen):
             raise ValueError(f"mean {self.mean:g} is above max {self.max}")
         if self.p90 is not None and self.max is not None and self.p90 > self.max:
             raise ValueError(f"p90 {self.p90:g} is above max {self.max}")
+        if self.p90 is not None and self.mean < self.p90 / 10:
+            raise ValueError(f"mean {self.mean:g} is below p90 / 10: a tenth of the responses at p90 {self.p90:g} or "
+                             "longer alone make the mean larger")
         return self
 
 
