@@ -11,7 +11,7 @@ of micro-batches (every forward of a wrapped model runs collectives).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -39,17 +39,35 @@ def data_parallel_group(role: RoleState, mesh_groups: dict[str, Any], rt: Runtim
     return rt.group("trainer")
 
 
-def micro_batches(num_rows: int, micro_batch_size: int, group: Any, rt: Runtime) -> list[slice]:
-    """This rank's rows cut into micro-batches of at most `micro_batch_size`. Over a trained role's
-    data-parallel `group` the ranks agree on the count (the largest any rank needs): its forward runs
-    collectives. Frozen roles (no group) run no collectives, or are tensor-parallel over ranks that hold
-    the same rows, which agree already."""
-    num_micro = loss_fns.num_micro_batches(num_rows, micro_batch_size)
-    if group is not None and micro_batch_size > 0:
+def micro_batches(rows: Mapping[str, Tensor], algorithm: AlgorithmSpec, group: Any, rt: Runtime) -> list[slice]:
+    """This rank's `rows` (the row fields of some responses) cut into micro-batches of at most
+    `micro_batch_size` rows, or, with `pack_sequences`, contiguous micro-batches of at most
+    micro_batch_size x (P + R) real tokens (the room of micro_batch_size padded rows), counted greedily
+    and cut balanced (`loss.packed_micro_batch_slices`). Over a data-parallel `group` (a trained role's,
+    or a frozen model's sharded over it) the ranks agree on the count, the largest any rank needs: their
+    forwards run collectives together. No group: the role's forwards run no collectives, or only over
+    tensor-parallel ranks that hold the same rows, which agree already. `micro_batch_size` 0: the rows
+    in one micro-batch."""
+    size = algorithm.micro_batch_size
+    num_rows = rows["response_mask"].shape[0]
+    if algorithm.pack_sequences:
+        tokens_per_row = sequence_tokens(rows).tolist()
+        budget = size * (rows["prompt_ids"].shape[1] + rows["response_ids"].shape[1])
+        num_micro = loss_fns.num_packed_micro_batches(tokens_per_row, budget)
+    else:
+        num_micro = loss_fns.num_micro_batches(num_rows, size)
+    if group is not None and size > 0:
         count = torch.tensor([num_micro], dtype=torch.int64, device=rt.comm_device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         num_micro = int(count.item())
+    if algorithm.pack_sequences:
+        return loss_fns.packed_micro_batch_slices(tokens_per_row, num_micro)
     return loss_fns.micro_batch_slices(num_rows, num_micro)
+
+
+def sequence_tokens(rows: Mapping[str, Tensor]) -> Tensor:
+    """Real tokens (prompt and response) of each row: its length as a packed sequence."""
+    return (rows["prompt_mask"].to(torch.bool).sum(1) + rows["response_mask"].to(torch.bool).sum(1)).cpu()
 
 
 def batch_sum(x: Tensor, group: Any, rt: Runtime) -> Tensor:
@@ -87,7 +105,7 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
     module, mask = role.wrapped, rollouts["response_mask"]
     critic = LOSSES[loss_name].trains == "critic"
     weights, dp_size = loss_weights(mask, a.loss_agg, group, rt)
-    slices = micro_batches(mask.shape[0], a.micro_batch_size, group, rt)
+    slices = micro_batches({key: rollouts[key] for key in ROW_FIELDS}, a, group, rt)
     # When the trainer holds the weights the rollouts were sampled with (a synchronous step), its first
     # pass's log-probs against the generator's give the train/inference mismatch.
     same_weights = not critic and int(rollouts["version"].item()) == role.version
@@ -153,4 +171,4 @@ class _FsdpNoSync:
         self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-__all__ = ["batch_sum", "data_parallel_group", "loss_weights", "micro_batches", "update"]
+__all__ = ["batch_sum", "data_parallel_group", "loss_weights", "micro_batches", "sequence_tokens", "update"]

@@ -40,6 +40,10 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
                       "algorithm.micro_batch_size=7"),
     "2 ranks tp": ("cluster=local-cpu-2", "placement.strategy=colocated", "placement.roles.policy.tp=2",
                    "placement.roles.policy.dp=1", "placement.roles.policy.fsdp=1", "algorithm.micro_batch_size=7"),
+    # packed sequences, micro-batches cut by a token budget (7 x 11 tokens)
+    "2 ranks fsdp2, packed": ("cluster=local-cpu-2", "placement.strategy=colocated", "placement.roles.policy.dp=1",
+                              "placement.roles.policy.fsdp=2", "placement.roles.policy.sharding=fsdp",
+                              "algorithm.micro_batch_size=7", "algorithm.pack_sequences=true"),
 }
 FOUR_RANKS = ("cluster=local-cpu-4", "placement.strategy=colocated", "placement.roles.policy.tp=2",
               "placement.roles.policy.dp=1", "placement.roles.policy.fsdp=2", "placement.roles.policy.sharding=fsdp",

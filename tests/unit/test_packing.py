@@ -9,11 +9,14 @@ padding the attention's reductions skip, so the results agree to float32 roundin
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from graphrl.executors import loss as loss_fns
 from graphrl.executors import training
 from graphrl.executors.models.llama import (Llama, LlamaCritic, PackedSequences, token_logprobs_and_entropy,
                                             token_values)
+from graphrl.schemas.job import AlgorithmSpec
 from graphrl.schemas.model import MODEL_PRESETS
 
 DIMS = MODEL_PRESETS["tiny-digits"]  # untied head, 4 query heads over 2 KV heads, vocab 16
@@ -119,3 +122,50 @@ def test_the_packed_forward_runs_on_real_tokens_and_the_head_on_response_tokens_
     assert seen["embed"] == [(5, 13), (1, num_real)]
     n = int(r["response_mask"].sum())
     assert seen["head"] == [(n, DIMS.hidden_size), (n, DIMS.hidden_size)]
+
+
+# ---- micro-batches of packed sequences: a token budget
+
+
+def test_packed_micro_batches_hold_at_most_the_budget_and_agree_on_a_count() -> None:
+    tokens = [6, 4, 6, 4, 9, 1, 3]
+    assert loss_fns.num_packed_micro_batches(tokens, 10) == 4  # greedy: [6 4] [6 4] [9 1] [3]
+    assert loss_fns.num_packed_micro_batches(tokens, 0) == 1
+    for num_micro in (4, 5, 7, 9):
+        slices = loss_fns.packed_micro_batch_slices(tokens, num_micro)
+        assert len(slices) == num_micro
+        assert [i for s in slices for i in range(len(tokens))[s]] == list(range(len(tokens)))
+        assert max(sum(tokens[s]) for s in slices) <= 10
+    # A rank that needs fewer micro-batches than its group cuts its rows into balanced ones.
+    for few, num_micro, sums in (([5, 5, 5, 5], 2, [10, 10]), ([1, 9, 9, 1], 3, [1, 9, 10])):
+        assert [sum(few[s]) for s in loss_fns.packed_micro_batch_slices(few, num_micro)] == sums
+    assert loss_fns.packed_micro_batch_slices([], 2) == [slice(0, 0), slice(0, 0)]
+
+
+def test_a_rank_cuts_packed_micro_batches_by_its_rows_real_tokens() -> None:
+    """Budget = micro_batch_size x (P + R) = 2 x 13 = 26 tokens; the rows hold 9, 2, 11, 2 and 10 real
+    tokens, so packing takes two micro-batches (greedy: 24 + 10 tokens; balanced: 22 + 12) where rows
+    alone take three: the count comes from the tokens, not the rows."""
+    r = ragged_rows()
+    packed = AlgorithmSpec(micro_batch_size=2, pack_sequences=True)
+    slices = training.micro_batches(r, packed, None, None)  # type: ignore[arg-type]
+    assert slices == [slice(0, 3), slice(3, 5)]
+    assert len(training.micro_batches(r, AlgorithmSpec(micro_batch_size=2), None, None)) == 3  # type: ignore[arg-type]
+    whole = training.micro_batches(r, AlgorithmSpec(pack_sequences=True), None, None)  # type: ignore[arg-type]
+    assert whole == [slice(0, 5)]
+    r_long = {k: torch.cat([v] * 3) for k, v in r.items()}  # 15 rows, 102 tokens: greedy needs 5
+    assert len(training.micro_batches(r_long, packed, None, None)) == 5  # type: ignore[arg-type]
+    assert len(training.micro_batches(r_long, AlgorithmSpec(micro_batch_size=2), None, None)) == 8  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_an_empty_micro_batch_runs_packed(critic: bool) -> None:
+    """A rank with fewer rows than its group's micro-batch count runs empty ones (their forwards still
+    take part in the group's collectives)."""
+    torch.manual_seed(0)
+    r = {k: v[:0] for k, v in ragged_rows().items()}
+    if critic:
+        assert token_values(LlamaCritic(DIMS), *args(r), pack=True).shape == (0, 7)
+    else:
+        logprobs, entropy = token_logprobs_and_entropy(Llama(DIMS), *args(r), pack=True)
+        assert logprobs.shape == entropy.shape == (0, 7)
