@@ -432,7 +432,7 @@ class RankExecutor:
             n = min(self.samples.per_step, ins.stop - ins.start)
             prompts = self.source.decode(r["prompt_ids"][:n], r["prompt_mask"][:n])
             self.samples.write(ins.step, int(r["version"].item()), prompts, responses[:n], rewards[:n].tolist(),
-                               None if answers is None else answers[:n])
+                               r["response_mask"][:n].sum(1).tolist(), None if answers is None else answers[:n])
         stats = self.stats.setdefault(ins.step, StepStats())
         stats.reward_sum += float(rewards.sum())
         stats.reward_count += rewards.numel()
@@ -488,11 +488,16 @@ class RankExecutor:
         """All-reduce the step's figures over the trainer group and let its first rank write them."""
         stats = self.stats.pop(ins.step, StepStats())
         names = sorted(metrics)
-        local = torch.tensor([stats.reward_sum, stats.reward_count, float(r["response_mask"].sum())]
-                             + [metrics[k] for k in names], dtype=torch.float64)
+        lengths = r["response_mask"].sum(1)
+        # on the device the trainer group's backend reduces (NCCL: the GPU)
+        local = torch.tensor([stats.reward_sum, stats.reward_count, float(lengths.sum()), lengths.numel()]
+                             + [metrics[k] for k in names], dtype=torch.float64, device=self.rt.comm_device)
+        longest = torch.tensor([int(lengths.max()) if lengths.numel() else 0], dtype=torch.int64,
+                               device=self.rt.comm_device)
         group = self.rt.group("trainer")
         if group is not None:
             dist.all_reduce(local, group=group)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
         n_ranks = len(self.trainer_ranks)
         now = time.perf_counter()
         step_time = now - self.last_train_end
@@ -501,11 +506,14 @@ class RankExecutor:
             row = {
                 "step": ins.step,
                 "reward_mean": float(local[0] / max(local[1], 1)),
-                **{k: float(local[3 + i] / n_ranks) for i, k in enumerate(names)},
+                **{k: float(local[4 + i] / n_ranks) for i, k in enumerate(names)},
                 "step_time_s": step_time,
                 # the tp ranks of a data shard each count its tokens
                 "tokens_per_s": float(local[2]) / self.roles[ins.role].placement.tp / step_time if step_time > 0 else 0.0,
                 "weight_version": int(r["version"].item()),
+                # the tp ranks of a data shard each count its responses and tokens alike: the mean is the batch's
+                "response_tokens_mean": float(local[2] / max(local[3], 1)),
+                "response_tokens_max": int(longest.item()),
             }
             row.setdefault("kl", 0.0)
             self.metrics.write(row)
