@@ -116,6 +116,8 @@ class RankExecutor:
         self.last_train_node = plan.bindings.last_train_node
         self.group_size = gen_node.spec.samples_per_prompt
         self.seed = plan.job.run.seed
+        # Scoring an unwrapped model packs sequences as the job says; wrapped ones were built packing.
+        self.pack = plan.job.algorithm.pack_sequences
         self.source = prompt_source(plan.job, data_node.spec, gen_node.spec)
         self.samples = SamplesWriter(out_dir, plan.job.run.samples_per_step)
         self.start_step = start_step
@@ -356,13 +358,13 @@ class RankExecutor:
         parts = []
         # Log-probs of the sampling distribution, logits / T, as the generator's behaviour log-probs.
         with torch.no_grad(), sampling_temperature(role.module, self.gen_node.spec.temperature):
-            for rows in self._micro_batches(role, r["response_mask"].shape[0]):
-                b = {k: r[k][rows] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+            for rows in self._micro_batches(role, r):
+                b = {k: r[k][rows] for k in training.ROW_FIELDS}
                 if role.wrapped is not None:  # trained (DDP / FSDP2) or tensor-parallel: through its wrapper
                     lp, _ = role.wrapped(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
                 else:
                     lp, _ = token_logprobs_and_entropy(role.module, b["prompt_ids"], b["prompt_mask"],
-                                                       b["response_ids"], b["response_mask"])
+                                                       b["response_ids"], b["response_mask"], pack=self.pack)
                 parts.append(lp.float())
         self.values[(ins.step, ins.node, "logprobs")] = torch.cat(parts)
 
@@ -371,19 +373,24 @@ class RankExecutor:
         r = self.read(ins, "rollouts")
         parts = []
         with torch.no_grad():
-            for rows in self._micro_batches(role, r["response_mask"].shape[0]):
-                b = {k: r[k][rows] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+            for rows in self._micro_batches(role, r):
+                b = {k: r[k][rows] for k in training.ROW_FIELDS}
                 if role.wrapped is not None:
                     values = role.wrapped(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
                 else:
                     values = token_values(role.module, b["prompt_ids"], b["prompt_mask"], b["response_ids"],
-                                          b["response_mask"])
+                                          b["response_mask"], pack=self.pack)
                 parts.append(values.float())
         self.values[(ins.step, ins.node, "values")] = torch.cat(parts) * r["response_mask"]
 
-    def _micro_batches(self, role: RoleState, num_rows: int) -> list[slice]:
-        group = self._data_parallel_group(role) if role.placement.kind == "train" else None
-        return training.micro_batches(num_rows, self.job.algorithm.micro_batch_size, group, self.rt)
+    def _micro_batches(self, role: RoleState, r: dict[str, Tensor]) -> list[slice]:
+        """The micro-batches of `role`'s forwards on these rows. Ranks whose forwards run collectives
+        together on different rows agree on their count: a trained role's data-parallel group, and that of
+        a frozen model sharded over it (FSDP layers), where packed sequences make the counts differ."""
+        p = role.placement
+        sharded = p.kind == "train" or (p.kind == "infer" and (p.sharding == "fsdp" or p.tp > 1))
+        group = self._data_parallel_group(role) if sharded else None
+        return training.micro_batches(r, self.job.algorithm, group, self.rt)
 
     def reward(self, ins: Reward) -> None:
         r = self.read(ins, "rollouts")
@@ -410,7 +417,8 @@ class RankExecutor:
         else:
             role = self._forward_role(ins)
             with torch.no_grad():
-                values = token_values(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+                values = token_values(role.module, r["prompt_ids"], r["prompt_mask"], r["response_ids"],
+                                      r["response_mask"], pack=self.pack)
             last = (r["response_mask"].long().sum(1) - 1).clamp(min=0)
             rewards = values.gather(1, last[:, None]).squeeze(1).float()
         if rewards.shape != (ins.stop - ins.start,):
@@ -424,7 +432,7 @@ class RankExecutor:
             n = min(self.samples.per_step, ins.stop - ins.start)
             prompts = self.source.decode(r["prompt_ids"][:n], r["prompt_mask"][:n])
             self.samples.write(ins.step, int(r["version"].item()), prompts, responses[:n], rewards[:n].tolist(),
-                               None if answers is None else answers[:n])
+                               r["response_mask"][:n].sum(1).tolist(), None if answers is None else answers[:n])
         stats = self.stats.setdefault(ins.step, StepStats())
         stats.reward_sum += float(rewards.sum())
         stats.reward_count += rewards.numel()
@@ -480,11 +488,16 @@ class RankExecutor:
         """All-reduce the step's figures over the trainer group and let its first rank write them."""
         stats = self.stats.pop(ins.step, StepStats())
         names = sorted(metrics)
-        local = torch.tensor([stats.reward_sum, stats.reward_count, float(r["response_mask"].sum())]
-                             + [metrics[k] for k in names], dtype=torch.float64)
+        lengths = r["response_mask"].sum(1)
+        # on the device the trainer group's backend reduces (NCCL: the GPU)
+        local = torch.tensor([stats.reward_sum, stats.reward_count, float(lengths.sum()), lengths.numel()]
+                             + [metrics[k] for k in names], dtype=torch.float64, device=self.rt.comm_device)
+        longest = torch.tensor([int(lengths.max()) if lengths.numel() else 0], dtype=torch.int64,
+                               device=self.rt.comm_device)
         group = self.rt.group("trainer")
         if group is not None:
             dist.all_reduce(local, group=group)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
         n_ranks = len(self.trainer_ranks)
         now = time.perf_counter()
         step_time = now - self.last_train_end
@@ -493,11 +506,14 @@ class RankExecutor:
             row = {
                 "step": ins.step,
                 "reward_mean": float(local[0] / max(local[1], 1)),
-                **{k: float(local[3 + i] / n_ranks) for i, k in enumerate(names)},
+                **{k: float(local[4 + i] / n_ranks) for i, k in enumerate(names)},
                 "step_time_s": step_time,
                 # the tp ranks of a data shard each count its tokens
                 "tokens_per_s": float(local[2]) / self.roles[ins.role].placement.tp / step_time if step_time > 0 else 0.0,
                 "weight_version": int(r["version"].item()),
+                # the tp ranks of a data shard each count its responses and tokens alike: the mean is the batch's
+                "response_tokens_mean": float(local[2] / max(local[3], 1)),
+                "response_tokens_max": int(longest.item()),
             }
             row.setdefault("kl", 0.0)
             self.metrics.write(row)

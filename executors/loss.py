@@ -87,4 +87,49 @@ def micro_batch_slices(num_rows: int, num_micro: int) -> list[slice]:
     return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-__all__ = ["PolicyBatch", "critic_objective", "micro_batch_slices", "num_micro_batches", "policy_objective"]
+def num_packed_micro_batches(tokens_per_row: list[int], budget: int) -> int:
+    """How many micro-batches of packed sequences hold rows of `tokens_per_row` real tokens: contiguous
+    rows, filled greedily up to `budget` tokens each (a row longer than it alone); budget 0: one, the whole."""
+    if budget <= 0:
+        return 1
+    return len(_greedy_bounds(tokens_per_row, budget)) - 1
+
+
+def packed_micro_batch_slices(tokens_per_row: list[int], num_micro: int) -> list[slice]:
+    """The rows cut into `num_micro` contiguous slices whose largest token count is as small as it can be.
+    Ranks of one data-parallel group agree on `num_micro` (the most any of them needs for the token
+    budget, `num_packed_micro_batches`), so no slice holds more tokens than the budget: a cut into more
+    slices than a rank needs is at most as large as its greedy cut. With fewer rows than slices, the
+    last slices are empty."""
+    lo, hi = max(tokens_per_row, default=0), sum(tokens_per_row)
+    while lo < hi:  # the smallest cap that greedy filling meets in num_micro slices or fewer
+        cap = (lo + hi) // 2
+        if len(_greedy_bounds(tokens_per_row, cap)) - 1 <= num_micro:
+            hi = cap
+        else:
+            lo = cap + 1
+    bounds = _greedy_bounds(tokens_per_row, lo)
+    while len(bounds) - 1 < num_micro:  # fewer slices than agreed: halve the one of most rows, or add empty ones
+        k = max(range(len(bounds) - 1), key=lambda i: bounds[i + 1] - bounds[i])
+        if bounds[k + 1] - bounds[k] < 2:
+            bounds.append(bounds[-1])
+        else:
+            bounds.insert(k + 1, (bounds[k] + bounds[k + 1]) // 2)
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _greedy_bounds(tokens_per_row: list[int], cap: int) -> list[int]:
+    """Bounds of contiguous groups filled greedily up to `cap` tokens (a longer row alone); one group
+    (perhaps empty) at least."""
+    bounds, filled = [0], 0
+    for i, tokens in enumerate(tokens_per_row):
+        if filled + tokens > cap and i > bounds[-1]:
+            bounds.append(i)
+            filled = 0
+        filled += tokens
+    bounds.append(len(tokens_per_row))
+    return bounds
+
+
+__all__ = ["PolicyBatch", "critic_objective", "micro_batch_slices", "num_micro_batches", "num_packed_micro_batches",
+           "packed_micro_batch_slices", "policy_objective"]

@@ -70,7 +70,9 @@ class MetricsWriter:
 
 class SamplesWriter:
     """`samples.jsonl`: a few rollouts per step as text (prompt, response, reward, weight version), so a
-    person can read what the policy does. Written by the rank that scores a step's first responses."""
+    person can read what the policy does, and each response's length in tokens (`response_tokens`), so a
+    later job can take the run's measured lengths (`response_tokens: {from: RUN_DIR}`). Written by the
+    rank that scores a step's first responses."""
 
     def __init__(self, out_dir: Path, per_step: int) -> None:
         self.path = out_dir / "samples.jsonl"
@@ -78,15 +80,15 @@ class SamplesWriter:
         self._file = None
 
     def write(self, step: int, version: int, prompts: list[str], responses: list[str], rewards: list[float],
-              answers: list[str] | None) -> None:
+              response_tokens: list[int], answers: list[str] | None) -> None:
         if self.per_step == 0:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
-        for i, (prompt, response, reward) in enumerate(zip(prompts, responses, rewards)):
+        for i, (prompt, response, reward, tokens) in enumerate(zip(prompts, responses, rewards, response_tokens)):
             row = {"step": step, "index": i, "weight_version": version, "reward": reward, "prompt": prompt,
-                   "response": response}
+                   "response": response, "response_tokens": tokens}
             if answers is not None:
                 row["answer"] = answers[i]
             self._file.write(json_line(row))

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphrl.schemas.sharding import LLAMA_EMBEDDING, ModuleSpec, TpStyle, fsdp_shard_dim, llama_modules, tp_split_problem
-from graphrl.executors.models.llama import LlamaCritic, token_logprobs_and_entropy, token_values
+from graphrl.executors.models.llama import LlamaCritic, PackedSequences, token_logprobs_and_entropy, token_values
 
 
 def _parallel_style(spec: ModuleSpec) -> Any:
@@ -58,15 +58,18 @@ def _parallel_style(spec: ModuleSpec) -> Any:
 
 
 class PolicyForward(nn.Module):
-    """forward(prompt_ids, prompt_mask, response_ids, response_mask) -> (logprobs, entropy) [B, R]."""
+    """forward(prompt_ids, prompt_mask, response_ids, response_mask) -> (logprobs, entropy) [B, R]; with
+    `pack` (the job's `algorithm.pack_sequences`) the rows run as packed sequences, with the same result."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, pack: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.pack = pack
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor) -> tuple[Tensor, Tensor]:
-        return token_logprobs_and_entropy(self.model, prompt_ids, prompt_mask, response_ids, response_mask)
+        return token_logprobs_and_entropy(self.model, prompt_ids, prompt_mask, response_ids, response_mask,
+                                          pack=self.pack)
 
 
 class _WholeLogits:
@@ -80,6 +83,9 @@ class _WholeLogits:
 
     def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         return self.model.hidden_states(input_ids, attention_mask)
+
+    def packed_hidden_states(self, packed: PackedSequences) -> Tensor:
+        return self.model.packed_hidden_states(packed)
 
     def logits(self, hidden_bth: Tensor) -> Tensor:
         from torch.distributed.tensor import DTensor, Replicate
@@ -100,24 +106,28 @@ class TensorParallelPolicyForward(PolicyForward):
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor) -> tuple[Tensor, Tensor]:
         return token_logprobs_and_entropy(_WholeLogits(self.model), prompt_ids, prompt_mask,  # type: ignore[arg-type]
-                                          response_ids, response_mask)
+                                          response_ids, response_mask, pack=self.pack)
 
 
 class CriticForward(nn.Module):
-    """forward(prompt_ids, prompt_mask, response_ids, response_mask) -> values [B, R]."""
+    """forward(prompt_ids, prompt_mask, response_ids, response_mask) -> values [B, R]; `pack` as for
+    `PolicyForward`."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, pack: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.pack = pack
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> Tensor:
-        return token_values(self.model, prompt_ids, prompt_mask, response_ids, response_mask)
+        return token_values(self.model, prompt_ids, prompt_mask, response_ids, response_mask, pack=self.pack)
 
 
-def wrap_trainer(model: nn.Module, sharding: str, group: Any, device: torch.device) -> tuple[nn.Module, str]:
+def wrap_trainer(model: nn.Module, sharding: str, group: Any, device: torch.device, *,
+                 pack: bool = False) -> tuple[nn.Module, str]:
     """The trainable module for `model` and the name of the wrapping used ('fsdp2', 'ddp' or 'local');
-    zero1's optimizer-state sharding is `build_optimizer`'s."""
-    adapter: nn.Module = CriticForward(model) if isinstance(model, LlamaCritic) else PolicyForward(model)
+    zero1's optimizer-state sharding is `build_optimizer`'s. `pack`: its forward packs sequences."""
+    adapter: nn.Module = (CriticForward(model, pack=pack) if isinstance(model, LlamaCritic)
+                          else PolicyForward(model, pack=pack))
     if group is None:
         return adapter, "local"
     if sharding in ("fsdp", "zero2"):
@@ -226,11 +236,11 @@ def trainer_mesh_groups(ranks: tuple[int, ...], tp: int, rank: int, timeout_s: f
     return fsdp_groups[i % tp], tp_groups[i // tp]
 
 
-def parallelize_llama(model: nn.Module, tp_mesh: Any) -> nn.Module:
+def parallelize_llama(model: nn.Module, tp_mesh: Any, *, pack: bool = False) -> nn.Module:
     """Shard a Llama or critic in place over a 1-D tensor-parallel mesh, as the model's sharding description
     (`schemas/sharding.py`) says: q/k/v/gate/up colwise, o/down rowwise, the embedding and an untied head
     by vocabulary rows; norms and a critic's value head replicated. Return the adapter whose forward gives the role's
-    per-token outputs as plain tensors replicated over tp."""
+    per-token outputs as plain tensors replicated over tp (packing sequences with `pack`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from graphrl.errors import RunError
@@ -248,11 +258,14 @@ def parallelize_llama(model: nn.Module, tp_mesh: Any) -> nn.Module:
     plan = {name: _parallel_style(spec) for name, spec, _ in llama_modules(dims, head)
             if spec.tp is not TpStyle.REPLICATE}
     parallelize_module(model, tp_mesh, plan)
-    return CriticForward(model) if isinstance(model, LlamaCritic) else TensorParallelPolicyForward(model)
+    if isinstance(model, LlamaCritic):
+        return CriticForward(model, pack=pack)
+    return TensorParallelPolicyForward(model, pack=pack)
 
 
 def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[int, ...], tp: int,
-                                 groups: tuple[Any, Any], device: torch.device) -> tuple[nn.Module, str]:
+                                 groups: tuple[Any, Any], device: torch.device, *,
+                                 pack: bool = False) -> tuple[nn.Module, str]:
     """The trainable module of a tp > 1 trainer (fsdp x tp; see the module docstring) and its wrapping name.
 
     Data-parallel ranks always go through `fully_shard` on the fsdp dimension (DDP does not take 2-D
@@ -265,7 +278,7 @@ def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[i
     data_parallel = len(ranks) // tp
     grid = torch.tensor(ranks).view(data_parallel, tp)
     mesh = DeviceMesh.from_group(list(groups), device.type, mesh=grid, mesh_dim_names=("fsdp", "tp"))
-    adapter = parallelize_llama(model, mesh["tp"])
+    adapter = parallelize_llama(model, mesh["tp"], pack=pack)
     if data_parallel == 1:
         return adapter, "tp"
     reshard = sharding == "fsdp"
@@ -276,7 +289,7 @@ def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[i
 
 
 def tensor_parallel_infer(model: nn.Module, groups: tuple[Any, Any], ranks: tuple[int, ...], tp: int,
-                          device: torch.device) -> nn.Module:
+                          device: torch.device, *, pack: bool = False) -> nn.Module:
     """A frozen model of a tensor-parallel trainer's mesh (reference, reward model): sharded over each tp
     row of `ranks` as the trainer is, and its decoder layers over the fsdp dimension (`shard_frozen`);
     the adapter gives its replicated per-token outputs."""
@@ -285,7 +298,7 @@ def tensor_parallel_infer(model: nn.Module, groups: tuple[Any, Any], ranks: tupl
     data_parallel = len(ranks) // tp
     grid = torch.tensor(ranks).view(data_parallel, tp)
     mesh = DeviceMesh.from_group(list(groups), device.type, mesh=grid, mesh_dim_names=("fsdp", "tp"))
-    adapter = parallelize_llama(model, mesh["tp"])
+    adapter = parallelize_llama(model, mesh["tp"], pack=pack)
     if data_parallel > 1:
         shard_frozen(model, mesh["fsdp"])
     return adapter

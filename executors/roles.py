@@ -95,12 +95,14 @@ def build_train(b: RoleBuild, p: RolePlacement) -> RoleState:
     assert b.plan.bindings is not None
     module = b.new_module(p)
     state = RoleState(p, module)
+    a = b.plan.job.algorithm
     if p.tp > 1:
         state.wrapped, state.wrapping = wrap_tensor_parallel_trainer(
-            module, p.sharding, tuple(b.mesh(p).devices), p.tp, b.mesh_groups[p.mesh], b.rt.device)
+            module, p.sharding, tuple(b.mesh(p).devices), p.tp, b.mesh_groups[p.mesh], b.rt.device,
+            pack=a.pack_sequences)
     else:
-        state.wrapped, state.wrapping = wrap_trainer(module, p.sharding, b.rt.group("trainer"), b.rt.device)
-    a = b.plan.job.algorithm
+        state.wrapped, state.wrapping = wrap_trainer(module, p.sharding, b.rt.group("trainer"), b.rt.device,
+                                                     pack=a.pack_sequences)
     state.optimizer = build_optimizer(module, p.sharding, state.wrapping, b.rt.group("trainer"),
                                       lr=b.plan.bindings.roles[p.role].lr or a.lr, betas=a.betas,
                                       weight_decay=a.weight_decay)
@@ -131,7 +133,7 @@ def build_infer(b: RoleBuild, p: RolePlacement) -> RoleState:
     state = RoleState(p, module)
     if p.tp > 1:
         state.wrapped = tensor_parallel_infer(module, b.mesh_groups[p.mesh], tuple(b.mesh(p).devices), p.tp,
-                                              b.rt.device)
+                                              b.rt.device, pack=b.plan.job.algorithm.pack_sequences)
     elif p.sharding == "fsdp" and b.rt.group("trainer") is not None:
         from torch.distributed.device_mesh import DeviceMesh
 

@@ -103,8 +103,8 @@ class TensorParallelLlama(Llama):
     """`Llama` with the parameter names of the full model and the shapes of one tp rank's shards.
 
     Build it with `from_full` (a full model's weights, sliced) or empty (NaN) for a weight sync to
-    fill; `shards()` gives the weight sync the plan's regions. Generation goes through the shared
-    `generate` unchanged: the layers run on local heads, `logits` returns the full vocabulary.
+    fill; `shards()` gives the weight sync the plan's regions. Generation (and scoring, packed or not) goes
+    through the shared code unchanged: the layers run on local heads, `logits` returns the full vocabulary.
     """
 
     def __init__(self, dims: ModelDims, tp: TensorParallelGroup, *, device: torch.device | str,

@@ -12,7 +12,8 @@ and shapes from `param_shapes(dims)` without building a model.
 Conventions: B sequences, T tokens per forward, P prompt tokens, R response tokens, V vocabulary,
 S key slots. Masks are bool, True = real token. Prompts are left-padded (the last prompt column is a
 real token of every row); responses are right-padded (True up to and including EOS). Position ids
-count real tokens only (`cumsum(mask) - 1`), so padding never changes a real token's result.
+count real tokens only (`cumsum(mask) - 1`), so padding never changes a real token's result, and
+scoring may drop the padding altogether (`PackedSequences`: every row's real tokens in one row).
 """
 
 from __future__ import annotations
@@ -155,9 +156,11 @@ class Attention(nn.Module):
         x_bth: Tensor,
         cos_btd: Tensor,
         sin_btd: Tensor,
-        allowed_b1ts: Tensor,
+        allowed: Tensor | PackedSequences,
         kv_cache: KVCache | None,
     ) -> Tensor:
+        """`allowed` is the mask [B, 1, T, S] of the keys each query sees, or, for packed sequences
+        (B = 1, no cache), the packing, whose sequences each attend causally within themselves."""
         b, t, _ = x_bth.shape
         q = self.q_proj(x_bth).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_bth).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -170,14 +173,78 @@ class Attention(nn.Module):
             kv_cache.values_lbhsd[self.layer_index, :, :, start:end] = v
             k = kv_cache.keys_lbhsd[self.layer_index, :, :, :end]
             v = kv_cache.values_lbhsd[self.layer_index, :, :, :end]
-        if _SDPA_HAS_GQA:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_b1ts, enable_gqa=True)
+        if isinstance(allowed, PackedSequences):
+            out = allowed.attend(q, k, v)
         else:
-            group = self.num_heads // self.num_kv_heads
-            out = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=allowed_b1ts
-            )
+            out = _attend(q, k, v, allowed)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def _attend(q_bhtd: Tensor, k_bhsd: Tensor, v_bhsd: Tensor, allowed_b1ts: Tensor) -> Tensor:
+    """SDPA of grouped-query heads: the query heads share the fewer key/value heads in equal groups."""
+    if _SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(q_bhtd, k_bhsd, v_bhsd, attn_mask=allowed_b1ts, enable_gqa=True)
+    group = q_bhtd.shape[1] // k_bhsd.shape[1]
+    return F.scaled_dot_product_attention(q_bhtd, k_bhsd.repeat_interleave(group, dim=1),
+                                          v_bhsd.repeat_interleave(group, dim=1), attn_mask=allowed_b1ts)
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """B sequences' real tokens laid end to end in one row of T tokens, with no padding: every token-wise
+    step of a forward (embedding, projections, norms, MLP) runs on the T real tokens only.
+
+    Attention stays within each sequence and causal there: the queries, keys and values of the T tokens
+    are scattered into a padded [B, longest] layout, attended with a causal mask over real keys, and
+    gathered back, so it costs B * longest^2, never T^2 (a varlen kernel would skip the padding too).
+    Positions count each sequence's real tokens from 0, as the padded forward's do (pads do not
+    advance them), so a packed token's result is the padded forward's for the same token.
+    """
+
+    input_ids_t: Tensor  # int64 [T]: row 0's real tokens in order, then row 1's, ...
+    positions_t: Tensor  # int64 [T]: each token's position within its sequence
+    slot_t: Tensor  # int64 [T]: each token's index in the flattened padded layout [B * longest]
+    allowed_b1ll: Tensor  # bool [B, 1, longest, longest]: causal, and only the sequence's real keys
+
+    @classmethod
+    def of(cls, input_ids_bt: Tensor, mask_bt: Tensor) -> "PackedSequences":
+        """The real tokens (`mask_bt` True) of each row of `input_ids_bt`, packed."""
+        mask_bt = mask_bt.to(torch.bool)
+        lengths_b = mask_bt.sum(1)
+        longest = int(lengths_b.max()) if mask_bt.shape[0] else 0
+        positions_bt = mask_bt.long().cumsum(1) - 1
+        rows_t = mask_bt.nonzero()[:, 0]
+        positions_t = positions_bt[mask_bt]
+        slot_l = torch.arange(longest, device=mask_bt.device)
+        causal_ll = slot_l[None, :] <= slot_l[:, None]
+        # A pad query (after its sequence's end) sees the sequence's real keys: never an empty row (NaN).
+        key_valid_bl = slot_l[None, :] < lengths_b[:, None]
+        return cls(input_ids_bt[mask_bt], positions_t, rows_t * longest + positions_t,
+                   (causal_ll[None] & key_valid_bl[:, None, :])[:, None])
+
+    @property
+    def num_seqs(self) -> int:
+        return self.allowed_b1ll.shape[0]
+
+    @property
+    def longest(self) -> int:
+        return self.allowed_b1ll.shape[-1]
+
+    def attend(self, q_1htd: Tensor, k_1htd: Tensor, v_1htd: Tensor) -> Tensor:
+        """Attention [1, heads, T, head_dim] of packed queries over the keys of their own sequence."""
+        padded = [self._to_padded(x) for x in (q_1htd, k_1htd, v_1htd)]
+        return self._to_packed(_attend(*padded, self.allowed_b1ll))
+
+    def _to_padded(self, x_1htd: Tensor) -> Tensor:
+        _, heads, _, head_dim = x_1htd.shape
+        x_thd = x_1htd[0].transpose(0, 1)
+        padded = x_thd.new_zeros(self.num_seqs * self.longest, heads, head_dim).index_copy(0, self.slot_t, x_thd)
+        return padded.view(self.num_seqs, self.longest, heads, head_dim).transpose(1, 2)
+
+    def _to_packed(self, x_bhld: Tensor) -> Tensor:
+        b, heads, longest, head_dim = x_bhld.shape
+        x_thd = x_bhld.transpose(1, 2).reshape(b * longest, heads, head_dim).index_select(0, self.slot_t)
+        return x_thd.transpose(0, 1)[None]
 
 
 class MLP(nn.Module):
@@ -204,9 +271,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, allowed_b1ts: Tensor, kv_cache: KVCache | None
+        self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor | PackedSequences, kv_cache: KVCache | None
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed_b1ts, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -265,6 +332,15 @@ class LlamaTrunk(nn.Module):
             kv_cache.num_valid_b += mask_bt.sum(1)
         return self.norm(x)
 
+    def forward_packed(self, packed: PackedSequences) -> Tensor:
+        """Final hidden states [T, hidden] of packed sequences' tokens."""
+        x = self.embed_tokens(packed.input_ids_t[None])
+        cos, sin = rope_cos_sin(packed.positions_t[None], self.dims.head_dim, self.dims.rope_theta, x.dtype,
+                                self.dims.rope_scaling)
+        for layer in self.layers:
+            x = layer(x, cos, sin, packed, None)
+        return self.norm(x)[0]
+
 
 def _init_weights(module: nn.Module, std: float = 0.02) -> None:
     """GPT-style init (normal(0, 0.02), norms at 1); drawn from torch's global RNG so seeds reproduce it."""
@@ -311,6 +387,10 @@ class Llama(nn.Module):
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         return self.model(input_ids, attention_mask, kv_cache, positions)
 
+    def packed_hidden_states(self, packed: PackedSequences) -> Tensor:
+        """Final-norm hidden states [T, hidden] of packed sequences' tokens."""
+        return self.model.forward_packed(packed)
+
     def logits(self, hidden_bth: Tensor) -> Tensor:
         """Float32 logits from hidden states; callers slice first to skip unneeded vocab projections."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -353,6 +433,9 @@ class LlamaCritic(nn.Module):
         positions: Tensor | None = None,
     ) -> Tensor:
         return self.model(input_ids, attention_mask, kv_cache, positions)
+
+    def packed_hidden_states(self, packed: PackedSequences) -> Tensor:
+        return self.model.forward_packed(packed)
 
     def values(self, hidden_bth: Tensor) -> Tensor:
         return self.value_head(hidden_bth).squeeze(-1).float()
@@ -536,36 +619,60 @@ def _response_hidden(
     prompt_mask: Tensor,
     response_ids: Tensor,
     response_mask: Tensor,
+    *,
+    pack: bool,
 ) -> Tensor:
-    """Hidden states [B, R, hidden] at the positions that predict each response token.
+    """Hidden states [n, hidden] at the positions that predict the n real response tokens (response_mask's
+    True entries, row by row): only those reach a head, whose vocabulary-sized work a masked token
+    would waste.
 
     Position P-1+r predicts response token r: the last prompt column for r = 0 (prompts are
-    left-padded), then the previous response token.
+    left-padded), then the previous response token. Packed (`pack`), each row's real tokens run as one
+    sequence of a single packed row (`PackedSequences`), and the predicting position is the real token
+    before the response token in its sequence: the same token, at the same position.
     """
     _check_left_padded(prompt_mask)
     prompt_len, response_len = prompt_ids.shape[1], response_ids.shape[1]
     input_ids = torch.cat((prompt_ids, response_ids), dim=1)
     mask = torch.cat((prompt_mask.to(torch.bool), response_mask.to(torch.bool)), dim=1)
-    hidden = model.hidden_states(input_ids, mask)
-    return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    response_mask = response_mask.to(torch.bool)
+    if not pack:
+        hidden = model.hidden_states(input_ids, mask)
+        return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len][response_mask]
+    packed = PackedSequences.of(input_ids, mask)
+    hidden_th = model.packed_hidden_states(packed)
+    lengths_b = mask.sum(1)
+    # Each token's index in the packed row: its sequence's start plus its position within it.
+    index_bt = (lengths_b.cumsum(0) - lengths_b)[:, None] + mask.long().cumsum(1) - 1
+    return hidden_th[index_bt[:, prompt_len:][response_mask] - 1]
+
+
+def _scatter_responses(values_n: Tensor, response_mask: Tensor) -> Tensor:
+    """[B, R] with the values of the n real response tokens in their places and 0 where masked."""
+    mask_br = response_mask.to(torch.bool)
+    return values_n.new_zeros(mask_br.shape).masked_scatter(mask_br, values_n)
 
 
 def token_logprobs(
-    model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+    model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
+    pack: bool = False,
 ) -> Tensor:
-    """Teacher-forced log pi(response token) [B, R] float32, differentiable, 0 where masked."""
+    """Teacher-forced log pi(response token) [B, R] float32, differentiable, 0 where masked. `pack`: the
+    rows run as packed sequences (`PackedSequences`), with the same result."""
     logprobs, _ = _logprobs_and_maybe_entropy(
-        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=False
+        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=False, pack=pack
     )
     return logprobs
 
 
 def token_logprobs_and_entropy(
-    model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+    model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
+    pack: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(logprobs [B, R], entropy [B, R]) where entropy = -sum_v p_v log p_v of each predicting position."""
+    """(logprobs [B, R], entropy [B, R]) where entropy = -sum_v p_v log p_v of each predicting position;
+    0 where masked."""
     logprobs, entropy = _logprobs_and_maybe_entropy(
-        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True
+        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True, pack=pack
     )
     assert entropy is not None
     return logprobs, entropy
@@ -579,24 +686,25 @@ def _logprobs_and_maybe_entropy(
     response_mask: Tensor,
     *,
     with_entropy: bool,
+    pack: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    hidden = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    logp_brv = torch.log_softmax(model.logits(hidden), dim=-1)
-    mask_br = response_mask.to(torch.bool)
-    logprobs_br = logp_brv.gather(-1, response_ids[..., None]).squeeze(-1)
-    logprobs_br = torch.where(mask_br, logprobs_br, 0.0)
+    hidden_nh = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, pack=pack)
+    logp_nv = torch.log_softmax(model.logits(hidden_nh), dim=-1)
+    tokens_n = response_ids[response_mask.to(torch.bool)]
+    logprobs_br = _scatter_responses(logp_nv.gather(-1, tokens_n[:, None]).squeeze(-1), response_mask)
     if not with_entropy:
         return logprobs_br, None
-    entropy_br = -(logp_brv.exp() * logp_brv).sum(-1)
-    return logprobs_br, torch.where(mask_br, entropy_br, 0.0)
+    entropy_n = -(logp_nv.exp() * logp_nv).sum(-1)
+    return logprobs_br, _scatter_responses(entropy_n, response_mask)
 
 
 def token_values(
-    critic: LlamaCritic, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+    critic: LlamaCritic, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
+    pack: bool = False,
 ) -> Tensor:
     """values [B, R] float32: V(state before response token r), aligned with `token_logprobs`; 0 where masked."""
-    hidden = _response_hidden(critic, prompt_ids, prompt_mask, response_ids, response_mask)
-    return torch.where(response_mask.to(torch.bool), critic.values(hidden), 0.0)
+    hidden_nh = _response_hidden(critic, prompt_ids, prompt_mask, response_ids, response_mask, pack=pack)
+    return _scatter_responses(critic.values(hidden_nh), response_mask)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
                       "algorithm.micro_batch_size=7"),
     "2 ranks tp": ("cluster=local-cpu-2", "placement.strategy=colocated", "placement.roles.policy.tp=2",
                    "placement.roles.policy.dp=1", "placement.roles.policy.fsdp=1", "algorithm.micro_batch_size=7"),
+    # packed sequences, micro-batches cut by a token budget (7 x 11 tokens)
+    "2 ranks fsdp2, packed": ("cluster=local-cpu-2", "placement.strategy=colocated", "placement.roles.policy.dp=1",
+                              "placement.roles.policy.fsdp=2", "placement.roles.policy.sharding=fsdp",
+                              "algorithm.micro_batch_size=7", "algorithm.pack_sequences=true"),
 }
 FOUR_RANKS = ("cluster=local-cpu-4", "placement.strategy=colocated", "placement.roles.policy.tp=2",
               "placement.roles.policy.dp=1", "placement.roles.policy.fsdp=2", "placement.roles.policy.sharding=fsdp",
@@ -102,6 +106,16 @@ def test_kl_reward_shaping_and_whitened_gae_train_alike_on_two_ranks(tmp_path: P
     kls = [r["kl"] for r in two[0]]
     assert abs(kls[0]) < 1e-6 and abs(kls[1]) > 1e-6
     assert kls == pytest.approx([r["kl"] for r in whole[0]], rel=LOSS_REL, abs=1e-9)
+
+
+def test_packed_sequences_score_and_train_as_padded_ones_in_every_role(tmp_path: Path) -> None:
+    """PPO packs the reference's log-probs (a frozen, unwrapped model), the critic's values and its
+    training, the reward model's scores and the policy's training; with mini-batches (2 optimizer steps
+    per pass, 2 passes) the steps are the same ones, packed or not."""
+    sets = ("algorithm.micro_batch_size=5", "algorithm.mini_batch_size=32", "algorithm.updates_per_step=2")
+    padded = run("ppo_tiny.yaml", tmp_path / "padded", *sets)
+    assert_same_step(run("ppo_tiny.yaml", tmp_path / "packed", *sets, "algorithm.pack_sequences=true"), padded,
+                     "ppo, packed")
 
 
 @pytest.mark.parametrize("layout", ["1 rank, micro-batches", "2 ranks fsdp2", "2 ranks tp"])

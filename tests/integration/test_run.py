@@ -46,6 +46,12 @@ def test_sync_colocated_run_writes_metrics_and_checkpoint(tmp_path):
     assert (tmp_path / "checkpoints" / "step_000003" / "meta.json").exists()
     assert list((tmp_path / "tensorboard").iterdir())
     assert not multiprocessing.active_children()
+    # Response lengths, for a later job's `response_tokens: {from: RUN_DIR}`: each sample's, and the
+    # step's mean and longest over the whole batch (max_new_tokens 5).
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 * 4 and all(1 <= s["response_tokens"] <= 5 for s in samples)
+    assert all(len(s["response"].split()) == s["response_tokens"] for s in samples)  # one digit per token
+    assert all(0 < r["response_tokens_mean"] <= r["response_tokens_max"] <= 5 for r in rows)
 
 
 def test_async_disaggregated_run_uses_the_planned_stale_versions(tmp_path):

@@ -1,0 +1,190 @@
+"""Mini-batches and packed sequences on two real ranks (gloo, one spawn for every case).
+
+- Data parallel (DDP, and FSDP2 packed): each rank holds half of the 12 responses; with mini_batch_size
+  6, optimizer step k takes the k-th 3 rows of each rank, its loss aggregated over those 6 responses
+  (counts all-reduced). That must be the update of one rank holding the whole batch ordered as the
+  mini-batches take it, to float32 rounding (data-parallel gradients are summed in another order).
+- Tensor parallel: the generator's `TensorParallelLlama` (explicit shards) and the trainer's
+  `parallelize_llama` (DTensor) score packed sequences as the full model scores padded ones, and a packed
+  tp=2 update with mini-batches equals the padded update of the full model on one rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graphrl.calibrate import _spawn
+from graphrl.executors import training
+from graphrl.executors.models.llama import Llama, sampling_temperature, token_logprobs_and_entropy
+from graphrl.executors.parallel import (build_optimizer, full_state_dict, trainer_mesh_groups,
+                                        wrap_tensor_parallel_trainer, wrap_trainer)
+from graphrl.executors.roles import RoleState
+from graphrl.executors.runtime import Runtime
+from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
+from graphrl.schemas.job import AlgorithmSpec
+from graphrl.schemas.model import MODEL_PRESETS
+from graphrl.schemas.plan import MemoryBytes, RolePlacement
+
+pytestmark = pytest.mark.slow
+
+DIMS = MODEL_PRESETS["tiny-digits"]  # 4 query heads over 2 KV heads: one KV head per tp rank
+NUM_ROWS, PROMPT_LEN, RESPONSE_LEN = 12, 5, 6
+TEMPERATURE = 0.7
+LR = 1e-3
+# AdamW moves each weight by about lr per step whatever the size of its gradient, so a weight whose
+# gradient is almost 0 turns the rounding of another summation order (data-parallel, tp) into a few
+# percent of lr (measured up to 8e-6 here); another sequence of optimizer steps moves weights by ~lr.
+WEIGHT_ATOL = 5e-5
+LOGPROB_ATOL = 1e-5
+# One rank holding the whole batch takes mini-batch k = rows k*3..k*3+2 of each rank's half.
+MINI_BATCH_ORDER = [0, 1, 2, 6, 7, 8, 3, 4, 5, 9, 10, 11]
+
+
+def policy() -> Llama:
+    torch.manual_seed(0)
+    return Llama(DIMS)
+
+
+def algorithm(**settings: Any) -> AlgorithmSpec:
+    return AlgorithmSpec(**{"lr": LR, "loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01,
+                            "mini_batch_size": 6, "micro_batch_size": 2, **settings})
+
+
+def rollouts(model: Llama) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Left-padded prompts of 1..5 real tokens, responses of 0..6 (one empty, one full), the behaviour
+    log-probs of `model` and advantages; the same on every rank (a fixed seed)."""
+    g = torch.Generator().manual_seed(5)
+    prompt_real = torch.randint(1, PROMPT_LEN + 1, (NUM_ROWS,), generator=g)
+    response_real = torch.randint(0, RESPONSE_LEN + 1, (NUM_ROWS,), generator=g)
+    response_real[0], response_real[7] = 0, RESPONSE_LEN
+    r = {"prompt_ids": torch.randint(0, 16, (NUM_ROWS, PROMPT_LEN), generator=g),
+         "prompt_mask": torch.arange(PROMPT_LEN)[None] >= PROMPT_LEN - prompt_real[:, None],
+         "response_ids": torch.randint(0, 16, (NUM_ROWS, RESPONSE_LEN), generator=g),
+         "response_mask": torch.arange(RESPONSE_LEN)[None] < response_real[:, None]}
+    with torch.no_grad(), sampling_temperature(model, TEMPERATURE):
+        r["behaviour_logprobs"], _ = token_logprobs_and_entropy(model, *(r[k] for k in training.ROW_FIELDS))
+    r["version"] = torch.tensor([0])
+    advantages = torch.where(r["response_mask"], torch.randn(r["response_mask"].shape, generator=g), 0.0)
+    return r, advantages
+
+
+def rows_of(r: dict[str, torch.Tensor], advantages: torch.Tensor, rows: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return {k: (v if k == "version" else v[rows]) for k, v in r.items()}, advantages[rows]
+
+
+def role(model: torch.nn.Module, wrapped: torch.nn.Module, wrapping: str, sharding: str, group: Any,
+         a: AlgorithmSpec) -> RoleState:
+    optimizer = build_optimizer(wrapped, sharding, wrapping, group, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay)
+    placement = RolePlacement(role="policy", model="policy", kind="train", ops=["train"], mesh="trainer",
+                              memory_bytes=MemoryBytes())
+    return RoleState(placement, model, wrapped, wrapping, optimizer)
+
+
+def update(state: RoleState, r: dict[str, torch.Tensor], advantages: torch.Tensor, a: AlgorithmSpec, group: Any,
+           rt: Runtime) -> dict[str, float]:
+    return training.update(state, "grpo", a, r, {"advantages": advantages}, None, None, temperature=TEMPERATURE,
+                           group=group, rt=rt, node="update", step=0)
+
+
+def one_rank_update(model: Llama, r: dict[str, torch.Tensor], advantages: torch.Tensor,
+                    a: AlgorithmSpec) -> dict[str, float]:
+    wrapped, wrapping = wrap_trainer(model, "none", None, torch.device("cpu"))
+    return update(role(model, wrapped, wrapping, "none", None, a), r, advantages, a, None,
+                  Runtime(0, 1, torch.device("cpu"), {}))
+
+
+def max_diff(state: dict[str, torch.Tensor], model: torch.nn.Module) -> float:
+    return max(float((state[name] - p.detach()).abs().max()) for name, p in model.state_dict().items())
+
+
+def worst(value: float) -> float:
+    """The largest `value` over the ranks (every rank checks its own copy)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def data_parallel_case(rank: int, sharding: str, pack: bool) -> dict[str, float]:
+    model, a = policy(), algorithm(pack_sequences=pack)
+    r, advantages = rollouts(model)
+    whole = copy.deepcopy(model)
+    want = one_rank_update(whole, *rows_of(r, advantages, MINI_BATCH_ORDER), algorithm())
+    group = dist.group.WORLD
+    wrapped, wrapping = wrap_trainer(model, sharding, group, torch.device("cpu"), pack=pack)
+    rt = Runtime(rank, 2, torch.device("cpu"), {})
+    half = slice(6 * rank, 6 * rank + 6)
+    got = update(role(model, wrapped, wrapping, sharding, group, a), *rows_of(r, advantages, half), a, group, rt)
+    other_order = policy()
+    one_rank_update(other_order, r, advantages, algorithm())
+    weights = full_state_dict(model)
+    return {"weight_diff": worst(max_diff(weights, whole)), "other_order_diff": worst(max_diff(weights, other_order)),
+            "loss_diff": worst(abs(_mean_over_ranks(got["loss"]) - want["loss"])),
+            "grad_norm_diff": worst(abs(got["grad_norm"] - want["grad_norm"]))}
+
+
+def _mean_over_ranks(value: float) -> float:
+    """A rank's loss is its share times the data-parallel size; the executor reports the mean over ranks."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def tensor_parallel_case(rank: int) -> dict[str, float]:
+    full = policy()
+    r, advantages = rollouts(full)
+    args = [r[k] for k in training.ROW_FIELDS]
+    with torch.no_grad():
+        want_lp, want_ent = token_logprobs_and_entropy(full, *args)
+        generator = TensorParallelLlama.from_full(full, TensorParallelGroup(rank, 2, dist.group.WORLD))
+        gen_lp, gen_ent = token_logprobs_and_entropy(generator, *args, pack=True)
+    out = {"generator_logprob_diff": worst(float(torch.cat([(gen_lp - want_lp).abs(), (gen_ent - want_ent).abs()]).max()))}
+
+    # The trainer's DTensor layout, packed: its scores, then a mini-batched update against one full rank.
+    a = algorithm(pack_sequences=True)
+    whole = copy.deepcopy(full)
+    one_rank_update(whole, r, advantages, algorithm())
+    fsdp_group, tp_group = trainer_mesh_groups((0, 1), 2, rank, 60.0)  # type: ignore[misc]
+    wrapped, wrapping = wrap_tensor_parallel_trainer(full, "fsdp", (0, 1), 2, (fsdp_group, tp_group),
+                                                     torch.device("cpu"), pack=True)
+    with torch.no_grad():
+        lp, ent = wrapped(*args)
+    out["trainer_logprob_diff"] = worst(float(torch.cat([(lp - want_lp).abs(), (ent - want_ent).abs()]).max()))
+    update(role(full, wrapped, wrapping, "fsdp", fsdp_group, a), r, advantages, a, fsdp_group,
+           Runtime(rank, 2, torch.device("cpu"), {}))
+    out["tp_weight_diff"] = worst(max_diff(full_state_dict(full), whole))
+    return out
+
+
+def measure(rank: int, world: int) -> dict[str, dict[str, float]]:
+    torch.set_num_threads(1)
+    assert world == 2
+    return {"ddp": data_parallel_case(rank, "none", pack=False),
+            "fsdp2 packed": data_parallel_case(rank, "fsdp", pack=True),
+            "tp": tensor_parallel_case(rank)}
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict[str, float]]:
+    return _spawn(2, measure, timeout_s=240)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2 packed"])
+def test_two_data_parallel_ranks_with_mini_batches_take_the_one_rank_steps(layout: str, reports) -> None:
+    got = reports[layout]
+    assert got["weight_diff"] < WEIGHT_ATOL, got
+    # One rank taking rows 0-5 first (not the k-th rows of each rank) trains another update.
+    assert got["other_order_diff"] > 10 * WEIGHT_ATOL, got
+    assert got["loss_diff"] < 1e-6 and got["grad_norm_diff"] < 1e-5, got
+
+
+def test_tensor_parallel_models_score_packed_sequences_as_the_full_model(reports) -> None:
+    got = reports["tp"]
+    assert got["generator_logprob_diff"] < LOGPROB_ATOL, got
+    assert got["trainer_logprob_diff"] < LOGPROB_ATOL, got
+    assert got["tp_weight_diff"] < WEIGHT_ATOL, got
