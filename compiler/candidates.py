@@ -124,6 +124,9 @@ class SearchSpace:
     target: Target
     """`run`: only layouts the executors run (`graphrl.schemas.capabilities`); `preview`: also a
     preview-only choice the user pinned (a pp > 1)."""
+    mini_batch: int
+    """`algorithm.mini_batch_size`: every data-parallel rank holds rows of every mini-batch, so a trainer
+    has at most this many data-parallel ranks (0: no limit)."""
 
     @property
     def num_devices(self) -> int:
@@ -204,6 +207,8 @@ def train_cfgs(p: SearchSpace, first: int, n: int) -> list[TrainCfg]:
     offloads = [hint.offload] if hint.offload is not None else [False, True]
     out = []
     for tp, pp, dp, fsdp in train_shapes(role, hint, n, p.per_node):
+        if p.mini_batch and dp * fsdp > p.mini_batch:
+            continue  # a data-parallel rank would hold no row of a mini-batch
         for sharding in shardings:
             refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
             if refusal is not None and not (p.target == "preview" and refusal.field == "pp" and hint.pp == pp):
@@ -281,7 +286,8 @@ def check_pins(graph: JobGraph, cluster: ClusterSpec | None, target: Target = "p
     space = None
     if cluster is not None and policy is not None:
         hw = hw if hw is not None else resolve_hardware(cluster)
-        space = SearchSpace(tuple(roles.values()), cluster, hw, job.placement, target)
+        space = SearchSpace(tuple(roles.values()), cluster, hw, job.placement, target,
+                            job.algorithm.mini_batch_size)
     warnings: list[str] = []
     for key, hint in job.placement.roles.items():
         path = ("placement", "roles", key)
@@ -392,6 +398,14 @@ def _check_pin_meshes(p: SearchSpace, role: Role, hint: RoleHint, path: tuple[st
         raise PlacementError(f"{spelled} = {_devices(product)}, but the mesh of {role.name!r} has {where}", path=path,
                              fix=f"make the product of {', '.join(_AXES[role.kind])} equal the mesh's devices, "
                                  "or leave one axis unpinned")
+    if role.kind == "train" and p.mini_batch:
+        shapes = [(dp, fsdp) for s in sorted(sizes) for _, _, dp, fsdp in train_shapes(role, hint, s, p.per_node)]
+        if shapes and all(dp * fsdp > p.mini_batch for dp, fsdp in shapes):
+            dp, fsdp = shapes[0]
+            raise PlacementError(
+                f"the pins give {dp * fsdp} data-parallel ranks, more than mini_batch_size {p.mini_batch}: a rank "
+                "would hold no response of a mini-batch", path=("algorithm", "mini_batch_size"),
+                fix=f"use a mini_batch_size of at least {dp * fsdp}, or pin fewer data-parallel ranks")
     if role.kind == "train":  # trainer meshes of the pinned shape exist, and the capability table refuses them
         shardings = [hint.sharding] if hint.sharding else SHARDINGS
         refusals = [r for s in sorted(sizes) for tp, pp, dp, fsdp in train_shapes(role, hint, s, p.per_node)
@@ -441,4 +455,4 @@ def make_problem(graph: JobGraph, cluster: ClusterSpec, hw: HardwareSpec, target
     hw = hw.for_rank(graph.job.run.threads_per_rank, max(r.dims.hidden_size for r in roles if r.kind == "train"),
                      workload.tokens / cluster.num_devices)
     return Problem(roles=tuple(roles), cluster=cluster, hw=hw, hints=graph.job.placement, target=target,
-                   workload=workload, mode=graph.job.schedule.mode)
+                   mini_batch=workload.mini_batch, workload=workload, mode=graph.job.schedule.mode)

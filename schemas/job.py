@@ -298,7 +298,7 @@ class AlgorithmSpec(Frozen):
     pack_sequences: Boolean = Field(
         default=False, description="Log-prob, value and training passes pack each micro-batch's responses (prompt "
         "and response tokens, no padding) into one sequence whose attention is block-diagonal, and cut "
-        "micro-batches by a token budget (micro_batch_size x the longest sequence) instead of by rows. The "
+        "micro-batches by a token budget (micro_batch_size x (prompt_len + max_new_tokens)) instead of by rows. The "
         "losses equal the unpacked ones.")
     value_clip: Real = Field(default=0.2, gt=0, description="Critic value clipping range.")
 

@@ -632,6 +632,12 @@ def _response_hidden(
     before the response token in its sequence: the same token, at the same position.
     """
     _check_left_padded(prompt_mask)
+    if not pack:
+        # Padded: only the columns some row uses (pads attend to nothing and advance no position, so
+        # the result is the same); at least one response column, since a wrapped model's forward runs
+        # collectives the other ranks wait for.
+        prompt_ids, prompt_mask, response_ids, response_mask = _used_columns(prompt_ids, prompt_mask, response_ids,
+                                                                             response_mask)
     prompt_len, response_len = prompt_ids.shape[1], response_ids.shape[1]
     input_ids = torch.cat((prompt_ids, response_ids), dim=1)
     mask = torch.cat((prompt_mask.to(torch.bool), response_mask.to(torch.bool)), dim=1)
@@ -645,6 +651,17 @@ def _response_hidden(
     # Each token's index in the packed row: its sequence's start plus its position within it.
     index_bt = (lengths_b.cumsum(0) - lengths_b)[:, None] + mask.long().cumsum(1) - 1
     return hidden_th[index_bt[:, prompt_len:][response_mask] - 1]
+
+
+def _used_columns(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                  response_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows without their leading prompt columns that are pad in every row and their trailing
+    response columns past every row's last real token (keeping at least one)."""
+    used_prompt = prompt_mask.to(torch.bool).any(0)
+    first = int(used_prompt.to(torch.int8).argmax()) if prompt_mask.shape[0] else 0
+    used_response = response_mask.to(torch.bool).any(0).nonzero()
+    width = max(1, int(used_response[-1]) + 1) if used_response.numel() else 1
+    return prompt_ids[:, first:], prompt_mask[:, first:], response_ids[:, :width], response_mask[:, :width]
 
 
 def _scatter_responses(values_n: Tensor, response_mask: Tensor) -> Tensor:

@@ -215,3 +215,15 @@ def test_a_p90_no_distribution_of_that_mean_reaches_is_refused_naming_the_field(
     result = CliRunner().invoke(main, ["validate", str(EXAMPLES / "llama3_8b.yaml"), "--set",
                                        "nodes.rollout.response_tokens={mean: 500, p90: 4096}"])
     assert result.exit_code == 2 and "nodes.rollout.response_tokens.p90" in result.output, result.output
+
+
+def test_a_trainer_never_has_more_data_parallel_ranks_than_a_mini_batch_has_responses() -> None:
+    """Every data-parallel rank holds rows of every mini-batch: the search keeps to layouts where it can,
+    and pins that leave none are refused naming mini_batch_size."""
+    from graphrl.compiler.compile import compile_job
+    job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override("algorithm.mini_batch_size=1")])
+    plan = compile_job(job, job_cluster(job, None), steps=2, analytical_only=True)
+    trainer = next(p for p in plan.chosen.placements if p.role == "policy")
+    assert trainer.dp * trainer.fsdp == 1
+    result = _validate("algorithm.mini_batch_size=1", "placement.roles.policy.fsdp=2")
+    assert result.exit_code == 2 and "algorithm.mini_batch_size" in result.output, result.output

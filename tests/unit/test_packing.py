@@ -169,3 +169,20 @@ def test_an_empty_micro_batch_runs_packed(critic: bool) -> None:
     else:
         logprobs, entropy = token_logprobs_and_entropy(Llama(DIMS), *args(r), pack=True)
         assert logprobs.shape == entropy.shape == (0, 7)
+
+
+def test_padded_scoring_cuts_the_columns_no_row_uses_without_changing_a_result() -> None:
+    """The padded path runs only the prompt columns some row uses and the response columns up to the last
+    real token: the same rows with four more pad columns on each side score the same."""
+    model = spread_model(Llama(DIMS))
+    r = ragged_rows()
+    wide = dict(r)
+    wide["prompt_ids"] = torch.cat((torch.full((5, 4), 7), r["prompt_ids"]), 1)
+    wide["prompt_mask"] = torch.cat((torch.zeros(5, 4, dtype=torch.bool), r["prompt_mask"]), 1)
+    wide["response_ids"] = torch.cat((r["response_ids"], torch.full((5, 4), 9)), 1)
+    wide["response_mask"] = torch.cat((r["response_mask"], torch.zeros(5, 4, dtype=torch.bool)), 1)
+    logprobs, entropy = token_logprobs_and_entropy(model, *args(r))
+    wide_logprobs, wide_entropy = token_logprobs_and_entropy(model, *args(wide))
+    assert wide_logprobs.shape == (5, 11) and not wide_logprobs[:, 7:].any()
+    torch.testing.assert_close(wide_logprobs[:, :7], logprobs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(wide_entropy[:, :7], entropy, atol=ATOL, rtol=0)

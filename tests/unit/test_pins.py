@@ -59,7 +59,8 @@ def _grid():  # noqa: ANN202
 def _unchecked_problem(graph, cluster, hw) -> Problem:  # noqa: ANN001
     """The search's problem as `make_problem` builds it, without its pin checks."""
     return Problem(roles=tuple(derive_roles(graph)), cluster=cluster, hw=hw, hints=graph.job.placement,
-                   target="preview", workload=derive_workload(graph), mode=graph.job.schedule.mode)
+                   target="preview", mini_batch=graph.job.algorithm.mini_batch_size, workload=derive_workload(graph),
+                   mode=graph.job.schedule.mode)
 
 
 def test_typecheck_refuses_exactly_the_pins_no_layout_holds() -> None:

@@ -30,10 +30,13 @@ DIMS = MODEL_PRESETS["tiny-digits"]
 NUM_ROWS, PROMPT_LEN, RESPONSE_LEN = 12, 5, 6
 TEMPERATURE = 0.7
 RT = Runtime(0, 1, torch.device("cpu"), {})
-# AdamW moves every weight by about lr per step whatever its gradient: same-arithmetic runs agree to
-# float32 rounding of that (WEIGHT_ATOL), a different sequence of steps differs by about lr.
+# AdamW moves every weight by about lr per step whatever its gradient: the same steps agree to float32
+# rounding of that (WEIGHT_ATOL: micro-batches, each cut to the columns its rows use, sum the gradient in
+# another order, and AdamW's first step amplifies that on near-zero gradients to about 1% of lr), a
+# different sequence of steps differs by about lr (more than DIFFERENT).
 LR = 1e-3
-WEIGHT_ATOL = 1e-6
+WEIGHT_ATOL = 1e-5
+DIFFERENT = 1e-4
 
 
 def policy(seed: int = 0) -> Llama:
@@ -119,7 +122,7 @@ def test_each_mini_batch_is_one_optimizer_step_on_its_responses_alone(mini: int,
     reference_policy_steps(whole, r, advantages, a.model_copy(update={"updates_per_step": 1}), 1)
     metrics = update_policy(model, r, advantages, a)
     assert max_weight_diff(model, reference) < WEIGHT_ATOL
-    assert max_weight_diff(model, whole) > 100 * WEIGHT_ATOL  # one whole-batch step is another update
+    assert max_weight_diff(model, whole) > DIFFERENT  # one whole-batch step is another update
     assert metrics["grad_norm"] == pytest.approx(sum(norms) / len(norms), rel=1e-5)
 
 
@@ -159,7 +162,7 @@ def test_a_packed_update_is_the_padded_update(mini: int, micro: int) -> None:
     got = update_policy(packed, r, advantages,
                         algorithm(mini_batch_size=mini, micro_batch_size=micro, pack_sequences=True))
     assert max_weight_diff(packed, padded) < WEIGHT_ATOL
-    assert max_weight_diff(packed, model) > 100 * WEIGHT_ATOL
+    assert max_weight_diff(packed, model) > DIFFERENT
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
