@@ -69,7 +69,9 @@ def reshard_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     placed = need(s.placement, "placement")
     train, gen = placed.meshes()
     w = placed.shape.workload
-    per_response = rollout_bytes_per_response(w.prompt_len, w.response_len)
+    # A piece crosses with the columns up to its longest response: at most a generator replica's longest.
+    replicas = next((p.dp for p in placed.chosen.placements if p.kind == "generate"), 1)
+    per_response = rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses / replicas))
     return replace(s, reshard=plan_reshard(gen, train, w.responses, w.samples_per_prompt, per_response))
 
 

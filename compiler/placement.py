@@ -268,7 +268,7 @@ def unaligned_tp_shards(dims: ModelDims, tp: int) -> tuple[float, int]:
 
 def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
     w = p.workload
-    total = w.responses * rollout_bytes_per_response(w.prompt_len, w.response_len)
+    total = w.responses * rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses))
     return timing.p2p_seconds(p.hw, total, spans), total
 
 

@@ -7,6 +7,7 @@ forward passes (`reference`, kind `infer`). Placement assigns roles, not ops, to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,6 +67,11 @@ class Workload:
     def optimizer_steps(self) -> int:
         """Optimizer steps per pass over the batch."""
         return self.responses // self.mini_batch if self.mini_batch else 1
+
+    def sent_response_len(self, responses: float) -> int:
+        """Response columns a piece of `responses` rollouts crosses a link with: up to its longest response
+        (the executors cut the padding after it)."""
+        return min(self.response_len, math.ceil(self.response_lengths.longest(responses)))
 
     def pass_sequence(self, rows_per_micro_batch: float) -> tuple[float, float]:
         """(tokens per response, keys per token) of a log-prob or training pass whose micro-batches hold

@@ -523,7 +523,7 @@ class RankExecutor:
 
     def recv(self, ins: Recv) -> None:
         piece = recv_piece(self.rt, ins.peer, ins.stop - ins.start, self.data_node.spec.prompt_len,
-                           self.gen_node.spec.max_new_tokens)
+                           self.gen_node.spec.max_new_tokens, self.source.pad_id)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _piece_for(self, ins: Send) -> dict[str, Tensor]:

@@ -1,9 +1,11 @@
 """The rollout batch as ranks hold and move it, derived from the rollout schema (`graphrl.ops.ROLLOUTS`).
 
 A step's responses live on a rank as pieces `(start, stop, fields)` (from one or several generator
-replicas, or received), joined when a consumer reads a range. On the wire a piece is its schema's fields
-in schema order, then its weight version; a bool field crosses as uint8 (what every backend sends). A
-field added to the schema is generated, sent, received and joined without another edit here.
+replicas, or received), joined when a consumer reads a range. On the wire a piece is the number of
+response columns it uses (up to its longest response: the rest is padding), then its schema's fields in
+schema order cut to that width, then its weight version; a bool field crosses as uint8 (what every
+backend sends), and the receiver pads the response columns back. A field added to the schema is
+generated, sent, received and joined without another edit here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ _TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
                  "bfloat16": torch.bfloat16}
 
 Piece = tuple[int, int, dict[str, Tensor]]
+# The fields with a response-length axis: cut to a piece's used width on the wire.
+_RESPONSE_FIELDS = frozenset(name for name, f in ROLLOUTS.fields.items() if "R" in f.shape)
 
 
 def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tensor] | None, int]:
@@ -52,21 +56,40 @@ def wire_layout(num_responses: int, prompt_len: int, response_len: int) -> list[
     return out
 
 
+def used_response_columns(response_mask: Tensor) -> int:
+    """Response columns up to the last real token of any row (at least one): what a piece sends."""
+    used = response_mask.to(torch.bool).any(0).nonzero()
+    return max(1, int(used[-1]) + 1) if used.numel() else 1
+
+
 def send_piece(rt: Any, piece: dict[str, Tensor], peer: int) -> None:
-    """Send a piece's tensors to `peer` in wire order."""
+    """Send a piece's used response width, then its tensors cut to it, to `peer` in wire order."""
+    width = used_response_columns(piece["response_mask"])
+    rt.send(torch.tensor([width], dtype=torch.int64, device=rt.comm_device), peer)
     for name in (*ROLLOUT_FIELDS, "version"):
         tensor = piece[name]
+        if name in _RESPONSE_FIELDS:
+            tensor = tensor[:, :width].contiguous()
         rt.send(tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor, peer)
 
 
-def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response_len: int) -> dict[str, Tensor]:
-    """Receive a piece from `peer` (its sizes known from the plan), on this rank's device."""
+def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response_len: int,
+               pad_id: int = 0) -> dict[str, Tensor]:
+    """Receive a piece from `peer` (its sizes known from the plan, its width from the wire), on this rank's
+    device, its response columns padded back to `response_len` (ids with `pad_id`, masks False, 0)."""
+    width = torch.empty(1, dtype=torch.int64, device=rt.comm_device)
+    rt.recv(width, peer)
+    used = int(width.item())
     piece = {}
-    for name, shape, dtype in wire_layout(num_responses, prompt_len, response_len):
+    for name, shape, dtype in wire_layout(num_responses, prompt_len, used):
         buf = torch.empty(shape, dtype=dtype, device=rt.comm_device)
         rt.recv(buf, peer)
+        if name in _RESPONSE_FIELDS and used < response_len:
+            fill = pad_id if name == "response_ids" else 0
+            buf = torch.nn.functional.pad(buf, (0, response_len - used), value=fill)
         piece[name] = buf.to(rt.device).bool() if dtype == torch.uint8 else buf.to(rt.device)
     return piece
 
 
-__all__ = ["Piece", "ROLLOUT_FIELDS", "join_rollouts", "recv_piece", "send_piece", "wire_layout"]
+__all__ = ["Piece", "ROLLOUT_FIELDS", "join_rollouts", "recv_piece", "send_piece", "used_response_columns",
+           "wire_layout"]

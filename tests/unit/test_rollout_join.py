@@ -80,3 +80,40 @@ def test_the_wire_carries_the_bytes_the_plan_charges(n: int, prompt_len: int, re
     data = sum(prod(shape) * torch.empty(0, dtype=dtype).element_size() for name, shape, dtype in layout
                if name != "version")
     assert data == n * rollout_bytes_per_response(prompt_len, response_len)
+
+
+def test_a_piece_crosses_the_wire_cut_to_its_longest_response_and_arrives_whole() -> None:
+    """The sender sends the response columns up to its longest response; the receiver pads them back, so
+    the piece it holds is the one that was sent (pads as the pad id, masks False, log-probs 0)."""
+    from graphrl.executors.rollouts import recv_piece, send_piece, used_response_columns
+
+    class Wire:
+        comm_device = device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.sent: list[torch.Tensor] = []
+
+        def send(self, tensor: torch.Tensor, peer: int) -> None:
+            self.sent.append(tensor.clone())
+
+        def recv(self, tensor: torch.Tensor, peer: int) -> None:
+            tensor.copy_(self.sent.pop(0))
+
+    pad = 7
+    mask = torch.tensor([[True, True, False, False, False, False], [True, True, True, False, False, False]])
+    piece = {"prompt_ids": torch.arange(8).view(2, 4), "prompt_mask": torch.ones(2, 4, dtype=torch.bool),
+             "response_ids": torch.where(mask, torch.arange(12).view(2, 6), pad), "response_mask": mask,
+             "behaviour_logprobs": torch.where(mask, -torch.rand(2, 6), 0.0), "version": torch.tensor([3])}
+    assert used_response_columns(mask) == 3 and used_response_columns(torch.zeros(2, 6, dtype=torch.bool)) == 1
+    wire = Wire()
+    send_piece(wire, piece, peer=1)
+    assert sum(t.numel() * t.element_size() for t in wire.sent[1:-1]) == 2 * rollout_bytes(4, 3)
+    got = recv_piece(wire, 0, 2, 4, 6, pad_id=pad)
+    assert not wire.sent
+    for name, tensor in piece.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def rollout_bytes(prompt_len: int, response_len: int) -> int:
+    from graphrl.ops import rollout_bytes_per_response
+    return rollout_bytes_per_response(prompt_len, response_len)
