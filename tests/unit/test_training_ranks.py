@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from graphrl.calibrate import _spawn
 from graphrl.executors import training
-from graphrl.executors.models.llama import Llama, sampling_temperature, token_logprobs_and_entropy
+from graphrl.executors.models.llama import Llama, token_logprobs_and_entropy
 from graphrl.executors.parallel import (build_optimizer, full_state_dict, trainer_mesh_groups,
                                         wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.roles import RoleState
@@ -30,6 +29,7 @@ from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParalle
 from graphrl.schemas.job import AlgorithmSpec
 from graphrl.schemas.model import MODEL_PRESETS
 from graphrl.schemas.plan import MemoryBytes, RolePlacement
+from test_training import rollouts  # the single-rank tests' ragged rows (one empty, one full response)
 
 pytestmark = pytest.mark.slow
 
@@ -54,24 +54,6 @@ def policy() -> Llama:
 def algorithm(**settings: Any) -> AlgorithmSpec:
     return AlgorithmSpec(**{"lr": LR, "loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01,
                             "mini_batch_size": 6, "micro_batch_size": 2, **settings})
-
-
-def rollouts(model: Llama) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Left-padded prompts of 1..5 real tokens, responses of 0..6 (one empty, one full), the behaviour
-    log-probs of `model` and advantages; the same on every rank (a fixed seed)."""
-    g = torch.Generator().manual_seed(5)
-    prompt_real = torch.randint(1, PROMPT_LEN + 1, (NUM_ROWS,), generator=g)
-    response_real = torch.randint(0, RESPONSE_LEN + 1, (NUM_ROWS,), generator=g)
-    response_real[0], response_real[7] = 0, RESPONSE_LEN
-    r = {"prompt_ids": torch.randint(0, 16, (NUM_ROWS, PROMPT_LEN), generator=g),
-         "prompt_mask": torch.arange(PROMPT_LEN)[None] >= PROMPT_LEN - prompt_real[:, None],
-         "response_ids": torch.randint(0, 16, (NUM_ROWS, RESPONSE_LEN), generator=g),
-         "response_mask": torch.arange(RESPONSE_LEN)[None] < response_real[:, None]}
-    with torch.no_grad(), sampling_temperature(model, TEMPERATURE):
-        r["behaviour_logprobs"], _ = token_logprobs_and_entropy(model, *(r[k] for k in training.ROW_FIELDS))
-    r["version"] = torch.tensor([0])
-    advantages = torch.where(r["response_mask"], torch.randn(r["response_mask"].shape, generator=g), 0.0)
-    return r, advantages
 
 
 def rows_of(r: dict[str, torch.Tensor], advantages: torch.Tensor, rows: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
