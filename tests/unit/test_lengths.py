@@ -195,6 +195,8 @@ def test_the_preview_states_the_lengths_it_assumed() -> None:
     assert "assumed mean 1024, max 4096, p90 2048" in result.output
     plain = CliRunner().invoke(main, ["compile", str(EXAMPLES / "grpo_tiny.yaml"), "--plan"])
     assert "every response 5 tokens (max_new_tokens)" in plain.output
+    page = CliRunner().invoke(main, ["compile", str(EXAMPLES / "llama3_8b.yaml"), "--plan", "--format", "html"])
+    assert page.exit_code == 0 and "assumed mean 1024, max 4096, p90 2048" in page.output
 
 
 def test_shorter_responses_make_a_cheaper_plan() -> None:
