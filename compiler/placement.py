@@ -65,15 +65,18 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTim
     that cannot hold its whole share at once generates it in waves. An engine with a paged cache holds
     only the tokens that exist and frees a response's blocks when it ends: it needs the peak of the
     running responses' tokens (`Lengths.peak_tokens`), and runs in waves only where that exceeds its
-    cache. A generator's `memory_fraction` pin caps its weights and cache at that share of the device
-    (vLLM's gpu_memory_utilization), and the engine then holds all of it."""
+    cache. A generator's `memory_fraction` pin is the share of the device its weights and cache take
+    (vLLM's gpu_memory_utilization: the engine reserves all of it), so it must be free beside whatever
+    else stays resident while it generates (else None: a layout that offloads more may fit)."""
     role = p.generator
     assert role is not None
     w = p.workload
     hint = p.hint(role.name)
     engine = hint.engine or "native"
     if hint.memory_fraction is not None:
-        free_bytes = min(free_bytes, hint.memory_fraction * p.hw.memory_bytes)
+        if hint.memory_fraction * p.hw.memory_bytes > free_bytes:
+            return None
+        free_bytes = hint.memory_fraction * p.hw.memory_bytes
     per_seq = gen_per_sequence(p, role, gen.tp)
     room = free_bytes - gen_weights(role, gen.tp, gen.precision)
     share = math.ceil(w.responses / gen.dp)

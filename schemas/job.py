@@ -337,8 +337,9 @@ class RoleHint(Frozen):
 
     memory_fraction: Real | None = Field(
         default=None, gt=0, le=1,
-        description="A vLLM generator's share of device memory for its weights and KV cache (vLLM's "
-                    "gpu_memory_utilization); unset = the memory the plan leaves free.")
+        description="The share of device memory a vLLM generator reserves for its weights and KV cache (vLLM's "
+                    "gpu_memory_utilization): the plan charges it whole and fits the rest of the step beside it; "
+                    "unset = the KV cache the responses need, within what the plan leaves free.")
 
     @field_validator("devices")
     @classmethod

@@ -228,3 +228,17 @@ def test_a_trainer_never_has_more_data_parallel_ranks_than_a_mini_batch_has_resp
     assert trainer.dp * trainer.fsdp == 1
     result = _validate("algorithm.mini_batch_size=1", "placement.roles.policy.fsdp=2")
     assert result.exit_code == 2 and "algorithm.mini_batch_size" in result.output, result.output
+
+
+def test_an_engine_with_a_memory_fraction_holds_exactly_that_share() -> None:
+    """vLLM reserves its gpu_memory_utilization whole: the plan charges the generator that share of the
+    device (weights and KV cache), and fits the rest of the step beside it."""
+    from graphrl.compiler.compile import compile_job
+    sets = ["placement.roles.policy/generate.engine=vllm", "placement.roles.policy/generate.tp=1",
+            "placement.roles.policy/generate.memory_fraction=0.5", "placement.strategy=colocated"]
+    job = apply_overrides(load_job(EXAMPLES / "llama3_8b.yaml"), [parse_override(s) for s in sets])
+    plan = compile_job(job, job_cluster(job, None), steps=2, analytical_only=True)
+    generator = next(p for p in plan.chosen.placements if p.kind == "generate")
+    capacity = plan.hardware.memory_bytes
+    assert generator.memory_bytes.total == pytest.approx(0.5 * capacity, rel=0.01)
+    assert all(d.peak_bytes <= d.capacity_bytes for d in plan.chosen.device_memory)
