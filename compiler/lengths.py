@@ -62,14 +62,12 @@ class Lengths:
 
     def quantile(self, q: float) -> float:
         """The length below which a fraction `q` of responses end."""
-        return self.grid[min(len(self.grid) - 1, max(0, math.ceil(q * len(self.grid)) - 1))]
+        return _quantile(self.grid, q)
 
     def longest(self, n: float) -> float:
         """Expected longest of `n` responses drawn from the distribution: sum of x_i (F_i^n - F_{i-1}^n)
-        over the grid, F_i = i / size."""
-        if n <= 1:
-            return self.mean if n > 0 else 0.0
-        return _expected_max(self.grid, float(n))
+        over the grid, F_i = i / size (the mean for one, 0 for none)."""
+        return _longest(self.grid, float(n)) if n > 0 else 0.0
 
     def survival(self, n: float, segments: int = 16) -> list[tuple[float, float, float]]:
         """A decode of `n` responses that all start together, as up to `segments` spans of decode steps
@@ -85,19 +83,21 @@ class Lengths:
         cache as it ends (a paged engine): max over steps t of (responses still running) * (prompt_len + t)."""
         return _peak_tokens(self.grid, float(n), prompt_len)
 
-    def describe(self) -> str:
-        if len(self.grid) == 1:
-            return self.source
-        return (f"{self.source}: mean {self.mean:.0f}, p90 {self.quantile(0.9):.0f}, longest {self.max:.0f} "
-                "tokens")
+
+def _quantile(grid: tuple[float, ...], q: float) -> float:
+    return grid[min(len(grid) - 1, max(0, math.ceil(q * len(grid)) - 1))]
+
+
+def _longest(grid: tuple[float, ...], n: float) -> float:
+    """The expected longest of n > 0 draws (the mean for at most one)."""
+    return _expected_max(grid, n) if n > 1 else math.fsum(grid) / len(grid)
 
 
 @functools.lru_cache(maxsize=256)
 def _survival(grid: tuple[float, ...], n: float, segments: int) -> tuple[tuple[float, float, float], ...]:
     size = len(grid)
-    longest = _expected_max(grid, n) if n > 1 else sum(grid) / size
-    quantile = lambda q: grid[min(size - 1, max(0, math.ceil(q * size) - 1))]  # noqa: E731
-    bounds = [0.0] + [min(quantile(j / segments), longest) for j in range(1, segments)] + [longest]
+    longest = _longest(grid, n)
+    bounds = [0.0] + [min(_quantile(grid, j / segments), longest) for j in range(1, segments)] + [longest]
     spans = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi <= lo:
@@ -111,7 +111,7 @@ def _survival(grid: tuple[float, ...], n: float, segments: int) -> tuple[tuple[f
 
 @functools.lru_cache(maxsize=256)
 def _peak_tokens(grid: tuple[float, ...], n: float, prompt_len: int) -> float:
-    longest = _expected_max(grid, n) if n > 1 else sum(grid) / len(grid)
+    longest = _longest(grid, n)
     size = len(grid)
     peak = n * prompt_len
     for i, x in enumerate(grid):

@@ -113,6 +113,11 @@ def gen_per_sequence(p: Problem, role: Role, tp: int) -> float:
     return one.kv_cache + one.activations
 
 
+def gen_kv_per_token(role: Role, tp: int) -> float:
+    """Device bytes one cached token adds to a generator (a tp rank holds its share of the KV heads)."""
+    return cost.kv_cache_bytes_per_token(role.dims, cost.BF16_BYTES) / cost.kv_shards(role.dims, tp)
+
+
 def gen_weights(role: Role, tp: int, precision: str) -> float:
     """A generator's weight bytes per device: the model's own dtype (a float32 CPU model stores 4 bytes per
     weight); with fp8, the block linears at 1 byte plus their scales and the rest still at the dtype."""

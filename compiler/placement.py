@@ -42,8 +42,8 @@ from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
-from graphrl.compiler.memory import (MeshMemory, gen_per_sequence, gen_weights, infer_state, resident_while_generating,
-                                     train_state, trainer_mesh_memory)
+from graphrl.compiler.memory import (MeshMemory, gen_kv_per_token, gen_per_sequence, gen_weights, infer_state,
+                                     resident_while_generating, train_state, trainer_mesh_memory)
 from graphrl.compiler.roles import Workload
 
 
@@ -88,7 +88,7 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTim
         waves = math.ceil(share / concurrent)
         kv_tokens = min(concurrent, share) * w.seq_len
     else:
-        per_token = cost.kv_cache_bytes_per_token(role.dims, cost.BF16_BYTES) / cost.kv_shards(role.dims, gen.tp)
+        per_token = gen_kv_per_token(role, gen.tp)
         activations = per_seq - per_token * w.seq_len  # one decode row's working set
         capacity = (room - activations * share) / per_token  # tokens of KV cache
         if capacity < w.seq_len:

@@ -22,7 +22,7 @@ from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import Evaluated, Problem
-from graphrl.compiler.memory import gen_weights, resident_while_generating, trainer_mesh_memory
+from graphrl.compiler.memory import gen_kv_per_token, gen_weights, resident_while_generating, trainer_mesh_memory
 from graphrl.compiler.placement import (SearchResult, generation_time, reshard_in_place_time, role_times,
                                         rollout_transfer_time, weight_sync_time)
 from graphrl.compiler.roles import effective_mode
@@ -97,7 +97,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                                      batch=concurrent, context_len=p.workload.seq_len, generator=True)
         kv_tokens = res.kv_tokens if res else p.workload.seq_len
         gmem = replace(gmem, params=gen_weights(g, gen.tp, gen.precision),
-                       kv_cache=gmem.kv_cache * kv_tokens / (concurrent * p.workload.seq_len))
+                       kv_cache=kv_tokens * gen_kv_per_token(g, gen.tp))
         placements.append(RolePlacement(
             role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
             precision=gen.precision, engine=engine, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]

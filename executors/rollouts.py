@@ -17,6 +17,8 @@ from torch import Tensor
 
 from graphrl.ops import ROLLOUTS
 
+from graphrl.executors.models.llama import used_response_columns
+
 ROLLOUT_FIELDS: tuple[str, ...] = tuple(ROLLOUTS.fields)
 _TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "float32": torch.float32,
                  "bfloat16": torch.bfloat16}
@@ -56,12 +58,6 @@ def wire_layout(num_responses: int, prompt_len: int, response_len: int) -> list[
     return out
 
 
-def used_response_columns(response_mask: Tensor) -> int:
-    """Response columns up to the last real token of any row (at least one): what a piece sends."""
-    used = response_mask.to(torch.bool).any(0).nonzero()
-    return max(1, int(used[-1]) + 1) if used.numel() else 1
-
-
 def send_piece(rt: Any, piece: dict[str, Tensor], peer: int) -> None:
     """Send a piece's used response width, then its tensors cut to it, to `peer` in wire order."""
     width = used_response_columns(piece["response_mask"])
@@ -91,5 +87,4 @@ def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response
     return piece
 
 
-__all__ = ["Piece", "ROLLOUT_FIELDS", "join_rollouts", "recv_piece", "send_piece", "used_response_columns",
-           "wire_layout"]
+__all__ = ["Piece", "ROLLOUT_FIELDS", "join_rollouts", "recv_piece", "send_piece", "wire_layout"]

@@ -653,14 +653,19 @@ def _response_hidden(
     return hidden_th[index_bt[:, prompt_len:][response_mask] - 1]
 
 
+def used_response_columns(response_mask: Tensor) -> int:
+    """Response columns up to the last real token of any row, at least one."""
+    used = response_mask.to(torch.bool).any(0).nonzero()
+    return max(1, int(used[-1]) + 1) if used.numel() else 1
+
+
 def _used_columns(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                   response_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The rows without their leading prompt columns that are pad in every row and their trailing
     response columns past every row's last real token (keeping at least one)."""
     used_prompt = prompt_mask.to(torch.bool).any(0)
     first = int(used_prompt.to(torch.int8).argmax()) if prompt_mask.shape[0] else 0
-    used_response = response_mask.to(torch.bool).any(0).nonzero()
-    width = max(1, int(used_response[-1]) + 1) if used_response.numel() else 1
+    width = used_response_columns(response_mask)
     return prompt_ids[:, first:], prompt_mask[:, first:], response_ids[:, :width], response_mask[:, :width]
 
 
