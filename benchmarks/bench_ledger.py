@@ -15,11 +15,13 @@ see the same machine load. Reported per kind:
   their ratio new / base (target <= 1.05 on the same layout; zero2 now gathers weights through FSDP2
   where the base ran DDP, so its ratio compares two executions of the same plan entry).
 
-Measured on the project's 2-core CPU machine (shared; medians of best rounds, 12-16 steps), 2 ranks:
-ledger/plan 1.000 (none, zero2, fsdp), 1.003 (zero1: the shares are whole tensors), 1.002 (tp); the
-base held 1.600x its plan for zero1, 1.778x for zero2, 0.802x for fsdp. Step time new/base: none
-0.97-1.03, zero1 1.02, fsdp 0.54-0.88, tp 1.02 (the machine's load moves single ratios by +-15%);
-zero2 1.38-1.56: it now runs FSDP2 (gathers and reduce-scatters over gloo) where the base ran DDP.
+Measured on the project's 2-core CPU machine (medians of best of 3 rounds, 12 steps, nothing else
+running), 2 ranks: ledger/plan 1.000 (none, zero2, fsdp), 1.003 (zero1: the shares are whole tensors),
+1.002 (tp); the base held 1.600x its plan for zero1, 1.778x for zero2, 0.802x for fsdp. Step time
+new/base: none 1.00, zero1 1.14, zero2 1.22, fsdp 0.70, tp 1.08. zero2 and fsdp gather and reduce
+through FSDP2 where the base ran zero2 as DDP; a model smaller than one FSDP2 unit (`FSDP_UNIT_BYTES`)
+is one unit, and the colocated generator's copy is gathered a unit at a time (it was a collective per
+tensor: zero2 read 1.95 and fsdp 1.0 before that).
 """
 
 from __future__ import annotations

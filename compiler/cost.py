@@ -26,7 +26,7 @@ from graphrl.errors import GraphRLError
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import PRECISION_BYTES
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.sharding import LLAMA_LAYER, llama_layer_param_count, llama_param_count
+from graphrl.schemas.sharding import LLAMA_LAYER, fsdp_layer_units, llama_layer_param_count, llama_param_count
 
 Precision = Literal["bf16", "fp8"]
 Sharding = Literal["none", "zero1", "zero2", "fsdp"]
@@ -82,10 +82,24 @@ def param_tensor_count(dims: ModelDims) -> int:
     return len(LLAMA_LAYER) * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
 
 
-def fsdp_units(dims: ModelDims, pp: int = 1) -> int:
-    """Units that FSDP gathers and reduces one at a time on one pipeline stage: each transformer block,
-    plus the root (embedding, final norm, head)."""
-    return max(1, math.ceil(dims.num_layers / pp)) + 1
+def fsdp_unit_layers(dims: ModelDims, layer_bytes: float, pp: int = 1) -> int:
+    """Decoder layers in the largest FSDP2 unit of one pipeline stage (`fsdp_layer_units`), `layer_bytes`
+    a layer's bytes on one rank before sharding; all the stage's layers when they make a single unit."""
+    per_stage = max(1, math.ceil(dims.num_layers / pp))
+    units = fsdp_layer_units(per_stage, layer_bytes)
+    return len(units[0]) if units else per_stage
+
+
+def fsdp_units(dims: ModelDims, layer_bytes: float, pp: int = 1, *, trained: bool = True) -> int:
+    """Units that FSDP2 gathers and reduces one at a time on one pipeline stage, as the executors wrap
+    them: a trained model's units of decoder layers (`fsdp_layer_units`) plus its root (embedding, final
+    norm, head), or a single unit where the layers make one; a frozen model's layers one by one (each is
+    its own FSDP2 root, `executors.parallel.shard_frozen`)."""
+    per_stage = max(1, math.ceil(dims.num_layers / pp))
+    if not trained:
+        return per_stage
+    units = len(fsdp_layer_units(per_stage, layer_bytes))
+    return units + 1 if units else 1
 
 
 # DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
@@ -282,9 +296,10 @@ def training_memory(
       none (DDP): nothing sharded;
       zero1 (DDP + ZeroRedundancyOptimizer): the optimizer state (fp32 master and moments) / D;
       zero2, fsdp (FSDP2): weights, gradients and optimizer state rest as shards (/ D). The unsharded
-        copies are `gathered`: zero2 (`reshard_after_forward=False`) keeps every layer's weights from
-        forward through backward, fsdp the current and the prefetched layer's; both hold one layer's
-        unreduced gradient.
+        copies are `gathered`: zero2 (`reshard_after_forward=False`) keeps every unit's weights from
+        forward through backward, fsdp the current and the prefetched unit's; both hold one unit's
+        unreduced gradient. A unit is consecutive layers up to `FSDP_UNIT_BYTES` (`fsdp_layer_units`);
+        a model smaller than that is one unit, gathered whole.
     offload_optimizer moves the optimizer state to host; offload_params moves the weight and gradient
     shards to host (FSDP2 CPUOffloadPolicy), leaving only the gathered buffers on the device.
 
@@ -305,6 +320,8 @@ def training_memory(
     mixed = compute_bytes < FP32_BYTES
     master = FP32_BYTES if mixed else 0  # an fp32 copy of the weights beside the compute-dtype ones
     layer_bytes = layer_params(dims) / tp * compute_bytes
+    unit_bytes = fsdp_unit_layers(dims, layer_bytes, pp) * layer_bytes
+    whole = unit_bytes >= dims.num_layers / pp * layer_bytes  # one unit: the model with its root
     gathered_weights = gathered_grads = 0.0
     weights = params_per_device * compute_bytes
     grads = params_per_device * compute_bytes
@@ -312,8 +329,8 @@ def training_memory(
     if sharding in ("zero1", "zero2", "fsdp"):
         optimizer /= d
     if sharding in ("zero2", "fsdp") and d > 1:
-        gathered_weights = params_per_device * compute_bytes if sharding == "zero2" else 2 * layer_bytes
-        gathered_grads = layer_bytes
+        gathered_weights = params_per_device * compute_bytes if sharding == "zero2" or whole else 2 * unit_bytes
+        gathered_grads = params_per_device * compute_bytes if whole else unit_bytes
         weights = weights / d + gathered_weights
         grads = grads / d + gathered_grads
 
@@ -322,7 +339,7 @@ def training_memory(
         host_optimizer, optimizer = optimizer, 0.0
     if offload_params:  # only the buffers a layer is computed with stay on the device
         host_weights, host_grads = weights - gathered_weights, grads - gathered_grads
-        gathered_weights, gathered_grads = 2 * layer_bytes, layer_bytes
+        gathered_weights, gathered_grads = min(2 * unit_bytes, params_per_device * compute_bytes), unit_bytes
         weights, grads = gathered_weights, gathered_grads
     gathered = gathered_weights + gathered_grads
 

@@ -151,7 +151,7 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
     for role in p.roles_of("infer", "train"):
         forward = timing.forward_time(role.dims, tokens=whole.tokens, seq_len=whole.keys, head_rows=whole.head_rows,
                                       microbatches=whole.microbatches, dtype_bytes=role.weight_bytes,
-                                      **common).total_s + p.hw.op_overhead_s
+                                      trained=role.kind == "train", **common).total_s + p.hw.op_overhead_s
         if role.kind == "infer":
             out[CostKey("Forward", role.name)] = forward
             continue
@@ -228,16 +228,22 @@ def reshard_in_place_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[flo
 
 def _fill_in_place(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
     """Colocated: each device gathers its generator tp shard from the trainer's shards, one all-gather
-    per weight tensor. Replicated trainer weights (no FSDP) with the generator's tp are read in place.
+    per weight tensor; a whole (tp 1) generator gathers the trainer's FSDP2 units, one all-gather each.
+    Replicated trainer weights (no FSDP) with the generator's tp are read in place.
     An fsdp trainer exactly as wide as one tp generator already holds, on each device, that device's tp
     shard of every tensor whose cuts line up (`fsdp_shard_dim`): only the others are gathered."""
     role = p.policy
     weights = cost.weight_bytes(role.dims, cost.BF16_BYTES)
     group = train.dp * train.fsdp
-    if (group <= 1 or train.sharding != "fsdp") and train.tp == gen.tp:
+    sharded = group > 1 and train.sharding in ("zero2", "fsdp")  # FSDP2 holds shards between steps
+    if not sharded and train.tp == gen.tp:
         return 0.0, 0.0
     group = max(group, 2)
     spans = p.spans(0, p.num_devices)
+    if train.tp == gen.tp == 1:  # whole weights, gathered an FSDP2 unit at a time (`full_weights`)
+        held = cost.weight_bytes(role.dims, role.weight_bytes)
+        units = cost.fsdp_units(role.dims, cost.layer_params(role.dims) * role.weight_bytes)
+        return timing.chunked_collective_time("all_gather", held, units, group, p.hw, spans), held * gen.dp
     if train.tp == 1 and train.dp == 1 and train.sharding == "fsdp" and train.fsdp == gen.tp == gen.n:
         shard_bytes, tensors = unaligned_tp_shards(role.dims, gen.tp)
         if not tensors:

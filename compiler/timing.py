@@ -39,7 +39,7 @@ from graphrl.schemas.sharding import LLAMA_LAYER, TpStyle
 from graphrl.compiler.lengths import Lengths
 from graphrl.compiler.cost import (BF16_BYTES, DDP_BUCKET_BYTES, FP32_BYTES, SHARDINGS, Precision, Sharding,
                                    UnsupportedPrecisionError, fp8_dequantizes, fsdp_units, kv_shards,
-                                   param_count, param_tensor_count, weight_bytes)
+                                   layer_params, param_count, param_tensor_count, weight_bytes)
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p"]
 
@@ -519,7 +519,7 @@ class StepCost:
 
 
 def _data_parallel_comm(
-    dims: ModelDims, sharding: str, d: int, tp: int, pp: int, hw: HardwareSpec, spans_nodes: bool
+    dims: ModelDims, sharding: str, d: int, tp: int, pp: int, hw: HardwareSpec, spans_nodes: bool, dtype_bytes: float
 ) -> tuple[float, float]:
     """Per-step data-parallel collectives of a training role: (overlappable_s, not_overlappable_s).
 
@@ -528,10 +528,10 @@ def _data_parallel_comm(
       none (DDP): all-reduce grads, bucketed during backward;
       zero1 (DDP + ZeroRedundancyOptimizer): the same all-reduce, then every rank's updated share of
         the weights is broadcast to the others after the optimizer step (an all-gather, not overlapped);
-      zero2 (FSDP2, weights kept from forward through backward): all-gather the weights once, layer by
-        layer in forward, and reduce-scatter grads during backward;
+      zero2 (FSDP2, weights kept from forward through backward): all-gather the weights once, unit by
+        unit in forward (`fsdp_units`), and reduce-scatter grads during backward;
       fsdp: all-gather weights for forward and again for backward (resharded after forward), and
-        reduce-scatter grads, all prefetched layer by layer.
+        reduce-scatter grads, all prefetched unit by unit.
     """
     if d <= 1:
         return 0.0, 0.0
@@ -542,7 +542,7 @@ def _data_parallel_comm(
         return all_reduce, 0.0
     if sharding == "zero1":
         return all_reduce, chunked_collective_time("all_gather", buffer, buckets, d, hw, spans_nodes)
-    units = fsdp_units(dims, pp)
+    units = fsdp_units(dims, layer_params(dims) / tp * dtype_bytes, pp)
     gather = chunked_collective_time("all_gather", buffer, units, d, hw, spans_nodes)
     scatter = chunked_collective_time("reduce_scatter", buffer, units, d, hw, spans_nodes)
     if sharding == "fsdp":
@@ -552,15 +552,16 @@ def _data_parallel_comm(
     raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
 
 
-def _overlap(comm_s: float, window_s: float, layers_per_stage: float) -> float:
-    """Exposed part of layer-by-layer communication that runs on its own stream beside compute.
+def _overlap(comm_s: float, window_s: float, pieces: float) -> float:
+    """Exposed part of communication in `pieces` (FSDP2 units, or layers for DDP's buckets) that runs on
+    its own stream beside compute.
 
-    Overlap assumption: one layer's share (the first gather before forward starts, the last
+    Overlap assumption: one piece's share (the first gather before forward starts, the last
     reduce after backward ends) is always exposed; the rest hides behind up to `window_s` of compute.
     """
     if comm_s <= 0.0:
         return 0.0
-    edge = comm_s / max(layers_per_stage, 1.0)
+    edge = comm_s / max(pieces, 1.0)
     return edge + max(0.0, comm_s - edge - window_s)
 
 
@@ -631,8 +632,8 @@ def training_step_time(
       step is fully exposed, and so are the update's small all-reduces before its loss (the batch's
       token counts, and with micro-batches their count).
     - host: per micro-batch, `train_layer_overhead_s` per layer (plus `layer_overhead_s` with recompute,
-      and `data_parallel_layer_overhead_s` on a data-parallel rank, `sharded_layer_overhead_s` more where
-      FSDP2 shards it) and `train_pass_overhead_s`.
+      and `data_parallel_layer_overhead_s` on a data-parallel rank) and `train_pass_overhead_s`, plus
+      `sharded_unit_overhead_s` per FSDP2 unit where FSDP2 shards the model.
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
@@ -652,23 +653,26 @@ def training_step_time(
         tp_comm = calls_per_layer * layers_per_stage * m * per_call
     pp_comm = _pipeline_p2p(dims, tokens_per_micro_batch, tp, pp, m, 2, hw, pp_spans_nodes)
 
-    overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes)
+    overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes, dtype_bytes)
     if d > 1:  # the update's own all-reduces: the batch's token counts, and the micro-batch count
         not_overlappable += (1 + (m > 1)) * collective_time("all_reduce", UPDATE_COUNTS_BYTES, d, hw, dp_spans_nodes)
-    if sharding in ("fsdp", "zero2"):
-        window = compute
+    units = fsdp_units(dims, layer_params(dims) / tp * dtype_bytes, pp)
+    if sharding in ("fsdp", "zero2"):  # the first gather and the last reduction are one unit's
+        window, pieces = compute, float(units)
     else:
-        window = compute * (3 / 4 if recompute else 2 / 3)
-    exposed_dp = not_overlappable + _overlap(overlappable, window, layers_per_stage)
+        window, pieces = compute * (3 / 4 if recompute else 2 / 3), layers_per_stage
+    exposed_dp = not_overlappable + _overlap(overlappable, window, pieces)
 
     critical = compute + tp_comm + pp_comm
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_dp
     per_layer = hw.train_layer_overhead_s + (hw.layer_overhead_s if recompute else 0.0)
+    per_pass = hw.train_pass_overhead_s
     if d > 1:
         per_layer += hw.data_parallel_layer_overhead_s
-        per_layer += hw.sharded_layer_overhead_s if sharding in ("zero2", "fsdp") else 0.0
-    host = m * (layers_per_stage * per_layer + hw.train_pass_overhead_s)
+        if sharding in ("zero2", "fsdp"):
+            per_pass += units * hw.sharded_unit_overhead_s
+    host = m * (layers_per_stage * per_layer + per_pass)
     return StepCost(
         compute_s=compute + host, comm_s=tp_comm + pp_comm + overlappable + not_overlappable,
         exposed_comm_s=exposed, bubble_s=bubble, total_s=compute + host + exposed + bubble,
@@ -692,6 +696,7 @@ def forward_time(
     microbatches: int | None = None,
     dtype_bytes: float = BF16_BYTES,
     head_rows: float | None = None,
+    trained: bool = False,
 ) -> StepCost:
     """Seconds of a forward-only pass (logprob, value or reward) over `tokens` tokens in sequences of
     `seq_len`, spread over dp*fsdp data-parallel ranks, the head on `head_rows` of them (all by default).
@@ -699,7 +704,8 @@ def forward_time(
     - compute per micro-batch: `pass_compute_seconds` (forward) through this stage's layers and the head;
     - tensor parallel: 2 all-reduces per layer and micro-batch (critical path).
     - fsdp > 1: one all-gather of the bf16 weights over the fsdp group (D = dp*fsdp shards, as in
-      `training_memory`), overlapped with compute as in `_overlap`.
+      `training_memory`), a collective per FSDP2 unit (`fsdp_units`: a frozen model's are its layers),
+      overlapped with compute as in `_overlap`.
     - pipeline: forward sends and the bubble (pp-1)/m of the ideal time, m = `microbatches`
       (default 4*pp).
     - host: `layer_overhead_s` per layer (plus `tensor_parallel_layer_overhead_s` on a tp rank) and
@@ -720,10 +726,11 @@ def forward_time(
     pp_comm = _pipeline_p2p(dims, tokens_per_micro_batch, tp, pp, m, 1, hw, pp_spans_nodes)
 
     gather = 0.0
+    units = fsdp_units(dims, layer_params(dims) / tp * dtype_bytes, pp, trained=trained)
     if fsdp > 1:
         buffer = param_count(dims) / (tp * pp) * BF16_BYTES
-        gather = chunked_collective_time("all_gather", buffer, fsdp_units(dims, pp), d, hw, dp_spans_nodes)
-    exposed_gather = _overlap(gather, compute, layers_per_stage)
+        gather = chunked_collective_time("all_gather", buffer, units, d, hw, dp_spans_nodes)
+    exposed_gather = _overlap(gather, compute, units)
 
     critical = compute + tp_comm + pp_comm
     bubble = critical * (pp - 1) / m

@@ -576,9 +576,9 @@ class RankExecutor:
         if isinstance(dst.module, TensorParallelLlama):  # each rank fills its shards; none gathers the model
             run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt)
         elif fp8.is_quantized(dst.module):  # quantized here, tensor by tensor, from the trainer's weights
-            fp8.copy_quantized(dst.module, src.module)
+            fp8.copy_quantized(dst.module, src.module, src.wrapped)
         elif dst.module is not src.module:
-            copy_full_weights(dst.module, src.module)
+            copy_full_weights(dst.module, src.module, src.wrapped)
         dst.version = ins.version
         self._weights_changed(ins.dst_role)
 

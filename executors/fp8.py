@@ -211,23 +211,19 @@ def load_staged(model: nn.Module, staged: Mapping[str, Tensor]) -> None:
         layer.load_(staged[name])
 
 
-def _full(tensor: Tensor) -> Tensor:
-    """A whole tensor: gathered if it is a DTensor shard (a collective over its mesh)."""
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
-
-
 @torch.no_grad()
-def copy_quantized(dst: nn.Module, src: nn.Module) -> None:
+def copy_quantized(dst: nn.Module, src: nn.Module, wrapper: nn.Module | None = None) -> None:
     """`dst` (a quantized generator with whole tensors) := `src` (an unquantized model of the same
-    architecture, maybe FSDP2-sharded), tensor by tensor: the block linears quantized, everything else
-    copied. Every rank of a sharded `src` calls this (the gathers are collectives)."""
+    architecture, maybe FSDP2-sharded inside `wrapper`), gathered by `full_weights`: the block linears
+    quantized, everything else copied. Every rank of a sharded `src` calls this (the gathers are collectives)."""
+    from graphrl.executors.parallel import full_weights
+
     layers = dict(fp8_linears(dst))
     target = {name: p for name, p in dst.named_parameters()}
-    source = src.state_dict()
-    if set(target) != set(source):
-        raise RuntimeError(f"weights differ: {sorted(set(target) ^ set(source))[:4]}")
-    for name, tensor in source.items():
-        full = _full(tensor)
+    names = {name for name, _ in src.named_parameters()}
+    if set(target) != names:
+        raise RuntimeError(f"weights differ: {sorted(set(target) ^ names)[:4]}")
+    for name, full in full_weights(src, wrapper):
         if name in layers:
             layers[name].load_(full)
         else:

@@ -6,10 +6,12 @@ them is a thin adapter whose forward is exactly that computation. Its parameters
 Every sharding here is one the capability table (`graphrl.schemas.capabilities`) lists, held as the
 plan's memory accounting charges it:
 
-- `sharding: fsdp` with more than one data-parallel rank (ZeRO-3): every decoder layer and then the
-  adapter are `fully_shard`ed on a device mesh made from the trainer's process group (parameters become
-  DTensors sharded on dim 0, o/down weights by column blocks as `fsdp_shard_dim` says, so a weight
-  sync into tensor-parallel shards moves whole blocks; gathered layer by layer in forward and backward).
+- `sharding: fsdp` with more than one data-parallel rank (ZeRO-3): the decoder layers, in units of
+  consecutive layers (`layer_units`: a layer a unit once a layer holds `FSDP_UNIT_BYTES`; one unit with
+  the root for a smaller model, whose collectives cost their latency), and then the adapter are
+  `fully_shard`ed on a device mesh made from the trainer's process group (parameters become DTensors
+  sharded on dim 0, o/down weights by column blocks as `fsdp_shard_dim` says, so a weight sync into
+  tensor-parallel shards moves whole blocks; gathered unit by unit in forward and backward).
 - `zero2`: the same `fully_shard`, with `reshard_after_forward=False`: gradients and optimizer state are
   sharded, the weights are gathered once per step and kept from forward through backward.
 - `zero1`: DDP, and torch's `ZeroRedundancyOptimizer`: each rank keeps the optimizer state of its share
@@ -19,7 +21,7 @@ plan's memory accounting charges it:
 - `tp > 1` (`wrap_tensor_parallel_trainer`): a 2-D `DeviceMesh` (fsdp, tp) over the trainer's ranks as
   the plan lays them out (tp fastest); `parallelize_module` shards the weights over tp as the plan's
   `llama_param_layout` says (q/k/v/gate/up colwise, o/down rowwise, embedding and head by vocabulary
-  rows), then `fully_shard` on the fsdp dimension, layer by layer, as above (zero2 or fsdp). Log-
+  rows), then `fully_shard` on the fsdp dimension, unit by unit, as above (zero2 or fsdp). Log-
   probabilities come back replicated over tp, so every tp rank computes the same loss; gradients are
   reduced over fsdp.
 
@@ -32,14 +34,15 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.schemas.sharding import LLAMA_EMBEDDING, ModuleSpec, TpStyle, fsdp_shard_dim, llama_modules, tp_split_problem
+from graphrl.schemas.sharding import (LLAMA_EMBEDDING, ModuleSpec, TpStyle, fsdp_layer_units, fsdp_shard_dim, llama_modules,
+                                      tp_split_problem)
 from graphrl.executors.models.llama import LlamaCritic, PackedSequences, token_logprobs_and_entropy, token_values
 
 
@@ -136,12 +139,13 @@ def wrap_trainer(model: nn.Module, sharding: str, group: Any, device: torch.devi
 
         mesh = DeviceMesh.from_group(group, device.type)
         reshard = sharding == "fsdp"
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard,
-                        shard_placement_fn=_fsdp_placements(layer, mesh.size()))
-        # The root (embedding, final norm, head) is gathered for backward right after forward: FSDP2's
-        # default (None) keeps it; zero2 keeps every unit.
-        fully_shard(adapter, mesh=mesh, reshard_after_forward=None if reshard else False)  # type: ignore[arg-type]
+        for unit in layer_units(model.model.layers, tp=1):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard,
+                        shard_placement_fn=_fsdp_placements(unit, mesh.size()))
+        # The root (embedding, final norm, head, and the layers of a model smaller than one unit) is
+        # gathered for backward right after forward: FSDP2's default (None) keeps it; zero2 keeps every unit.
+        fully_shard(adapter, mesh=mesh, reshard_after_forward=None if reshard else False,  # type: ignore[arg-type]
+                    shard_placement_fn=_fsdp_placements([adapter], mesh.size()))
         return adapter, "fsdp2"
     from torch.nn.parallel import DistributedDataParallel
 
@@ -213,12 +217,20 @@ def build_optimizer(module: nn.Module, sharding: str, wrapping: str, group: Any,
     return optimizer_class(params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
-def _fsdp_placements(layer: nn.Module, fsdp: int) -> Any:
-    """`fully_shard`'s placement for each of a decoder layer's parameters: the dim the plan's layout
-    cuts it along (`fsdp_shard_dim`: o/down weights by column blocks where that splits evenly)."""
+def layer_units(layers: nn.ModuleList, *, tp: int) -> list[list[nn.Module]]:
+    """The decoder layers of each FSDP2 unit, as the plan charges them (`fsdp_layer_units`: consecutive
+    layers up to `FSDP_UNIT_BYTES` a unit; none when the model is smaller than one). `tp`: the layers'
+    tensor-parallel degree (a DTensor's `numel` is the whole tensor's)."""
+    layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters()) / tp if len(layers) else 0.0
+    return [[layers[i] for i in unit] for unit in fsdp_layer_units(len(layers), layer_bytes)]
+
+
+def _fsdp_placements(modules: list[nn.Module], fsdp: int) -> Any:
+    """`fully_shard`'s placement for each parameter of a unit's modules: the dim the plan's layout cuts it
+    along (`fsdp_shard_dim`: o/down weights by column blocks where that splits evenly)."""
     from torch.distributed.tensor import Shard
 
-    dims = {id(p): fsdp_shard_dim(name, p.shape, fsdp, 1) for name, p in layer.named_parameters()}
+    dims = {id(p): fsdp_shard_dim(name, p.shape, fsdp, 1) for m in modules for name, p in m.named_parameters()}
     return lambda param: Shard(dims[id(param)])
 
 
@@ -282,8 +294,8 @@ def wrap_tensor_parallel_trainer(model: nn.Module, sharding: str, ranks: tuple[i
     if data_parallel == 1:
         return adapter, "tp"
     reshard = sharding == "fsdp"
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["fsdp"], reshard_after_forward=reshard)
+    for unit in layer_units(model.model.layers, tp=tp):
+        fully_shard(unit, mesh=mesh["fsdp"], reshard_after_forward=reshard)
     fully_shard(adapter, mesh=mesh["fsdp"], reshard_after_forward=reshard)
     return adapter, "fsdp2+tp"
 
@@ -307,14 +319,14 @@ def tensor_parallel_infer(model: nn.Module, groups: tuple[Any, Any], ranks: tupl
 def shard_frozen(model: nn.Module, mesh: Any) -> None:
     """Shard a frozen model's decoder layers over the data-parallel `mesh` with FSDP2, each layer gathered
     for its own forward and freed after it (`reshard_after_forward=True`, also for layers that are FSDP
-    roots). The embedding, final norm and head stay whole on every rank: a frozen role's forward reads
-    them outside any one wrapped module (a reward model's values go through the model's trunk directly),
-    and the plan charges them whole."""
+    roots: a unit of several sibling layers would have no root to run it). The embedding, final norm and
+    head stay whole on every rank: a frozen role's forward reads them outside any one wrapped module (a
+    reward model's values go through the model's trunk directly), and the plan charges them whole."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True,
-                    shard_placement_fn=_fsdp_placements(layer, mesh.size()))
+                    shard_placement_fn=_fsdp_placements([layer], mesh.size()))
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
@@ -354,15 +366,46 @@ def full_state_dict(model: nn.Module, *, keep: bool = True, to_host: bool = Fals
     return out
 
 
-def copy_full_weights(dst: nn.Module, src: nn.Module) -> None:
-    """`dst`'s weights (whole tensors) := `src`'s, gathered tensor by tensor as `full_state_dict` does
-    and copied in place, so no full copy of the model exists beside the two modules."""
-    target, source = dst.state_dict(), src.state_dict()
-    if set(target) != set(source):
-        raise RuntimeError(f"weights differ: {sorted(set(target) ^ set(source))[:4]}")
+def full_weights(model: nn.Module, wrapper: nn.Module | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(name, whole tensor) of each of `model`'s parameters, for reading only (`wrapper`: the module
+    FSDP2 wraps `model` in, when that is not `model` itself). An FSDP2-sharded model is gathered a unit at
+    a time by FSDP2's own `unshard` (one all-gather per unit, the next unit's started while this one's
+    tensors are read) and resharded after, so no more than two units are whole at once; a
+    tensor-parallel DTensor left after that is gathered alone. Every rank of the model's groups calls
+    this (the gathers are collectives)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = dict(model.named_parameters())
+    units = [m for m in (wrapper if wrapper is not None else model).modules() if isinstance(m, FSDPModule)]
+    done: set[str] = set()
+
+    def whole_now() -> Iterator[tuple[str, Tensor]]:
+        for name, p in model.named_parameters():
+            if name not in done and (not units or p is not sharded[name]):
+                done.add(name)
+                yield name, _full(p)
+
+    pending = units[0].unshard(async_op=True) if units else None
+    for i, unit in enumerate(units):
+        if pending is not None:
+            pending.wait()
+        pending = units[i + 1].unshard(async_op=True) if i + 1 < len(units) else None
+        yield from whole_now()
+        unit.reshard()
+    units = []  # what no unit manages, gathered tensor by tensor
+    yield from whole_now()
+
+
+def copy_full_weights(dst: nn.Module, src: nn.Module, wrapper: nn.Module | None = None) -> None:
+    """`dst`'s weights (whole tensors) := `src`'s, gathered by `full_weights` and copied in place, so no
+    full copy of the model exists beside the two modules."""
+    target = dict(dst.named_parameters())
+    names = {name for name, _ in src.named_parameters()}
+    if set(target) != names:
+        raise RuntimeError(f"weights differ: {sorted(set(target) ^ names)[:4]}")
     with torch.no_grad():
-        for name, tensor in source.items():
-            target[name].copy_(_full(tensor))
+        for name, full in full_weights(src, wrapper):
+            target[name].copy_(full)
 
 
 def _full(tensor: Tensor) -> Tensor:

@@ -799,7 +799,7 @@ def _report_fit(probes: list[Probe], fitted: HardwareSpec, report: Callable[[str
            f"training, {fitted.decode_token_overhead_s * 1e6:.2f} µs per generated token; per pass: "
            f"{fitted.pass_overhead_s * 1e6:.0f} µs forward, {fitted.train_pass_overhead_s * 1e6:.0f} µs training; "
            f"{fitted.data_parallel_layer_overhead_s * 1e6:.0f} µs per layer on a data-parallel rank "
-           f"(+{fitted.sharded_layer_overhead_s * 1e6:.0f} sharded), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
+           f"(+{fitted.sharded_unit_overhead_s * 1e6:.0f} µs per FSDP2 unit), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
            f"µs per layer and pass on a tensor-parallel rank; elementwise "
            f"{fitted.elementwise_rate / 1e9:.1f} GB/s forward, {fitted.backward_elementwise_rate / 1e9:.1f} backward")
 

@@ -77,7 +77,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                requires="more than one data-parallel rank"),
     Capability(kind="sharding", value="fsdp", roles=("train",), support="runs",
                how="FSDP2 `fully_shard` (ZeRO-3): weights, gradients and optimizer state sharded, weights "
-                   "gathered layer by layer in forward and again in backward",
+                   "gathered unit by unit (consecutive layers up to 25 MiB; a smaller model is one unit) in forward and "
+                   "again in backward",
                requires="more than one data-parallel rank"),
     Capability(kind="precision", value="bf16", roles=("train", "generate", "infer"), support="runs",
                how="compute in the model's dtype"),

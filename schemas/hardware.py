@@ -46,7 +46,7 @@ class CollectiveFit(Frozen):
     latency_s: Real = Field(ge=0, description="Ring-model latency per step that fits the measurement, seconds.")
 
 
-CALIBRATION_FORMAT = 2
+CALIBRATION_FORMAT = 3
 """The version of a calibration file's content (`graphrl calibrate`): a file of another version is ignored,
 with a warning, since its figures may mean something else or miss ones the cost model now reads."""
 
@@ -96,7 +96,7 @@ class VocabCost(Frozen):
 
 
 HOST_FIT_FIELDS = ("layer_overhead_s", "pass_overhead_s", "decode_token_overhead_s", "train_layer_overhead_s",
-                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "sharded_layer_overhead_s",
+                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "sharded_unit_overhead_s",
                    "tensor_parallel_layer_overhead_s", "elementwise_bandwidth", "backward_elementwise_bandwidth")
 
 
@@ -116,8 +116,8 @@ class HostFit(Frozen):
     train_pass_overhead_s: Real = Field(ge=0, description="Host seconds per training micro-batch outside the layers.")
     data_parallel_layer_overhead_s: Real = Field(ge=0, description="Extra host seconds per layer per training "
                                                                    "micro-batch of a data-parallel rank.")
-    sharded_layer_overhead_s: Real = Field(ge=0, description="Further host seconds per layer per training "
-                                                             "micro-batch of a rank whose state FSDP2 shards.")
+    sharded_unit_overhead_s: Real = Field(ge=0, description="Further host seconds per FSDP2 unit per training "
+                                                            "micro-batch of a rank whose state FSDP2 shards.")
     tensor_parallel_layer_overhead_s: Real = Field(ge=0, description="Extra host seconds per layer per forward "
                                                                      "pass of a tensor-parallel rank.")
     elementwise_bandwidth: Real = Field(ge=0, description="Bytes/s of a forward's elementwise kernels.")
@@ -234,11 +234,11 @@ class HardwareSpec(Frozen):
         description="Host figures fitted to the models of the jobs calibrated (`graphrl calibrate JOB`), by model "
                     "width and threads; see `for_rank`.",
     )
-    sharded_layer_overhead_s: Real = Field(
+    sharded_unit_overhead_s: Real = Field(
         default=0.0, ge=0,
-        description="Further host time per transformer layer per training micro-batch of a rank whose weights FSDP2 "
-                    "shards (zero2, fsdp): its gathers' and reductions' hooks and waits beyond the modelled "
-                    "collectives, seconds. Fitted by `graphrl calibrate` from side-by-side FSDP2 probes.",
+        description="Further host time per FSDP2 unit (`fsdp_layer_units`) per training micro-batch of a rank whose "
+                    "weights FSDP2 shards (zero2, fsdp): its gathers' and reductions' hooks and waits beyond the "
+                    "modelled collectives, seconds. Fitted by `graphrl calibrate` from side-by-side FSDP2 probes.",
     )
     tensor_parallel_layer_overhead_s: Real = Field(
         default=0.0, ge=0,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+import math
 from math import prod
 from typing import Callable, Literal, Mapping, Sequence
 
@@ -376,6 +377,25 @@ def fsdp_shard_dim(name: str, shape: Sequence[int], fsdp: int, tp: int) -> int:
     module, kind = _module_and_kind(name)
     row_weight = _TP_STYLE.get(module) is TpStyle.ROWWISE and kind == "weight" and len(shape) == 2
     return 1 if row_weight and tp == 1 and fsdp > 1 and shape[1] % fsdp == 0 else 0
+
+
+# Each FSDP2 unit is gathered by one collective and reduced by another, and a collective of a few
+# megabytes costs its latency, not its bytes: consecutive decoder layers share a unit until it holds this
+# many bytes, the size of DDP's gradient buckets (torch's default `bucket_cap_mb=25`).
+FSDP_UNIT_BYTES = 25 * 2**20
+
+
+def fsdp_layer_units(num_layers: int, layer_bytes: float) -> list[range]:
+    """The decoder layers of each FSDP2 unit (of one pipeline stage's `num_layers`, `layer_bytes` each on
+    one rank before sharding): consecutive, each the fewest layers that reach `FSDP_UNIT_BYTES` (a layer at
+    least that large is a unit of its own, the last unit may be smaller). Empty when every layer fits in
+    one unit: the model is then a single unit with its embedding and head (a trainer's root), or its
+    layers are one unit (a frozen model's).
+    The compiler's memory and collectives and the executors' `fully_shard` calls both read this."""
+    per_unit = max(1, math.ceil(FSDP_UNIT_BYTES / layer_bytes)) if layer_bytes > 0 else num_layers
+    if per_unit >= num_layers:
+        return []
+    return [range(start, min(start + per_unit, num_layers)) for start in range(0, num_layers, per_unit)]
 
 
 def llama_layout_on(mesh: Mesh) -> LayoutFn:

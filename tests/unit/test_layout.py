@@ -23,6 +23,7 @@ from graphrl.schemas.sharding import (
     chunk_bounds,
     fsdp_shard_dim,
     llama_layout_on,
+    fsdp_layer_units,
 )
 from graphrl.errors import GraphRLError, PlacementError
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
@@ -248,3 +249,41 @@ def test_llama_params_names_and_shapes() -> None:
     assert round(sum(p.num_elements for p in params) / 1e9, 2) == 8.03
     tied = llama_params(ModelDims(**{**dims.model_dump(), "tie_embeddings": True}))
     assert "lm_head.weight" not in {p.name for p in tied}
+
+
+# --- FSDP2 units --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_layers,layer_mib,expected", [
+    (2, 0.01, []),  # a tiny model is one unit
+    (30, 9.0, [range(0, 3), range(3, 6), range(6, 9), range(9, 12), range(12, 15), range(15, 18),
+               range(18, 21), range(21, 24), range(24, 27), range(27, 30)]),
+    (7, 10.0, [range(0, 3), range(3, 6), range(6, 7)]),  # the last unit takes what is left
+    (4, 25.0, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]),  # a layer that fills a unit is one
+    (3, 400.0, [range(0, 1), range(1, 2), range(2, 3)]),
+    (3, 9.0, []),  # three layers reach 25 MiB: all of them, a single unit
+])
+def test_fsdp_units_hold_consecutive_layers_up_to_the_unit_size(num_layers, layer_mib, expected) -> None:
+    assert fsdp_layer_units(num_layers, layer_mib * 2**20) == expected
+
+
+@pytest.mark.parametrize("hidden,layers,dtype", [(64, 2, torch.float32), (512, 8, torch.float32),
+                                                 (1024, 6, torch.bfloat16), (2048, 3, torch.bfloat16)])
+def test_the_executors_wrap_the_units_the_compiler_charges(hidden, layers, dtype) -> None:
+    """`executors.parallel.layer_units` on a real model (on the meta device) cuts its layers as the
+    compiler's `fsdp_units`/`fsdp_unit_layers` count them, for the model's dtype and tp."""
+    from graphrl.compiler import cost
+    from graphrl.executors.models.llama import Llama
+    from graphrl.executors.parallel import layer_units
+
+    dims = ModelDims(vocab_size=1000, hidden_size=hidden, intermediate_size=4 * hidden, num_layers=layers,
+                     num_heads=8, num_kv_heads=4, max_seq_len=64)
+    with torch.device("meta"):
+        model = Llama(dims).to(dtype)
+    for tp in (1, 2):
+        units = layer_units(model.model.layers, tp=tp)
+        layer_bytes = cost.layer_params(dims) / tp * (2 if dtype == torch.bfloat16 else 4)
+        assert cost.fsdp_units(dims, layer_bytes) == (len(units) + 1 if units else 1)
+        assert cost.fsdp_units(dims, layer_bytes, trained=False) == layers  # a frozen model's: layer by layer
+        assert cost.fsdp_unit_layers(dims, layer_bytes) == (len(units[0]) if units else layers)
+        assert [m for unit in units for m in unit] in ([], list(model.model.layers))

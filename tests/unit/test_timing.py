@@ -422,16 +422,24 @@ def test_fsdp_moves_one_and_a_half_times_ddp_bytes() -> None:
 
 
 def test_fsdp_pays_latency_per_unit() -> None:
-    """FSDP gathers and reduces block by block (TOY: 2 blocks + the root = 3 units), so each of its three
-    collectives per step pays (n-1) latency steps per unit; DDP's one bucket pays 2 (n-1) once. Both pay
-    the update's two small all-reduces, 2 (n-1) each."""
+    """FSDP2 gathers and reduces a unit at a time (`fsdp_layer_units`), so each of its three collectives per
+    step pays (n-1) latency steps per unit; DDP's one bucket pays 2 (n-1) once. Both pay the update's two
+    small all-reduces, 2 (n-1) each. TOY is smaller than one unit; a wide model's layers (over
+    FSDP_UNIT_BYTES each) are a unit each, with the root."""
     no_latency = TOY_HW.model_copy(update={"link_latency_s": 0.0})
-    alpha, n, units = TOY_HW.link_latency_s, 8, TOY.num_layers + 1
+    alpha, n = TOY_HW.link_latency_s, 8
     kw: dict = dict(dp=n, tokens=320, microbatches=4)
     fsdp = _toy_step(**kw, sharding="fsdp").comm_s - _toy_step(**kw, sharding="fsdp", hw=no_latency).comm_s
     ddp = _toy_step(**kw).comm_s - _toy_step(**kw, hw=no_latency).comm_s
-    assert fsdp == pytest.approx((3 * units + 4) * (n - 1) * alpha)
+    assert fsdp == pytest.approx((3 * 1 + 4) * (n - 1) * alpha)
     assert ddp == pytest.approx((2 + 4) * (n - 1) * alpha)
+    wide = ModelDims(vocab_size=1000, hidden_size=2048, intermediate_size=4096, num_layers=3, num_heads=16,
+                     num_kv_heads=16, max_seq_len=64)  # 84 MB a layer in bf16
+    args: dict = dict(tokens=320, seq_len=10, dp=n, fsdp=1, tp=1, pp=1, sharding="fsdp", recompute=False,
+                      intra_node_tp=True, dp_spans_nodes=False, microbatches=4)
+    wide_fsdp = (timing.training_step_time(wide, hw=TOY_HW, **args).comm_s
+                 - timing.training_step_time(wide, hw=no_latency, **args).comm_s)
+    assert wide_fsdp == pytest.approx((3 * (3 + 1) + 4) * (n - 1) * alpha)
 
 
 def test_zero_weight_gather_after_the_step_is_exposed() -> None:
@@ -516,13 +524,17 @@ def test_forward_time_by_hand() -> None:
 
 
 def test_forward_time_communication() -> None:
-    # fsdp 2: the bf16 weights (5584 bytes) gathered in 3 units over 2 ranks: 3 * ((1/2) * (5584/3) / 1e10
-    # + 1e-6) = 3.2792e-6. One layer's share (1.6396e-6) is exposed and the rest hides behind the 67,024 U of
-    # compute only in part: exposed 1.6396e-6 + (1.6396e-6 - 6.7024e-7), so the step takes the gather's time.
+    # fsdp 2: a frozen model's bf16 weights (5584 bytes) gathered layer by layer (its 2 layers, each an FSDP2
+    # root) over 2 ranks: 2 * ((1/2) * (5584/2) / 1e10 + 1e-6) = 2.2792e-6. One layer's share (1.1396e-6) is
+    # exposed and the rest hides behind the 67,024 U of compute only in part: exposed 1.1396e-6 +
+    # (1.1396e-6 - 6.7024e-7), so the step takes the gather's time.
     sharded = timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, fsdp=2, microbatches=1)
-    assert sharded.comm_s == pytest.approx(3.2792e-6)
-    assert sharded.exposed_comm_s == pytest.approx(3.2792e-6 - 67_024 * U)
-    assert sharded.total_s == pytest.approx(3.2792e-6)
+    assert sharded.comm_s == pytest.approx(2.2792e-6)
+    assert sharded.exposed_comm_s == pytest.approx(2.2792e-6 - 67_024 * U)
+    assert sharded.total_s == pytest.approx(2.2792e-6)
+    # The trained model's own forward: one unit, embedding and head with it (smaller than one unit).
+    own = timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, fsdp=2, microbatches=1, trained=True)
+    assert own.comm_s == pytest.approx(1.2792e-6)
     # dp alone gathers nothing.
     assert timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, dp=2, microbatches=1).comm_s == 0.0
     # tp 2: 2 all-reduces per layer of 10 * 8 * 2 = 160 bytes: 4 * (160 / 1e10 + 2e-6), on the critical path.
@@ -601,7 +613,7 @@ def test_engine_time_factor() -> None:
 def _host_fit(hidden_size: int, threads: int, layer_overhead_s: float) -> HostFit:
     return HostFit(hidden_size=hidden_size, threads=threads, layer_overhead_s=layer_overhead_s, pass_overhead_s=2e-4,
                    decode_token_overhead_s=3e-6, train_layer_overhead_s=4e-4, train_pass_overhead_s=5e-4,
-                   data_parallel_layer_overhead_s=6e-5, sharded_layer_overhead_s=0.0, tensor_parallel_layer_overhead_s=0.0,
+                   data_parallel_layer_overhead_s=6e-5, sharded_unit_overhead_s=0.0, tensor_parallel_layer_overhead_s=0.0,
                    elementwise_bandwidth=7e9, backward_elementwise_bandwidth=8e9)
 
 
@@ -628,17 +640,17 @@ def test_for_rank_picks_the_fits_of_its_threads_and_width() -> None:
 
 
 def test_layout_overheads_are_charged_only_where_the_layout_runs() -> None:
-    """FSDP2's per-layer host time only on a sharded data-parallel trainer; the tensor-parallel one only on
+    """FSDP2's per-unit host time only on a sharded data-parallel trainer; the tensor-parallel one only on
     passes of a tp > 1 replica, once per layer and pass."""
-    hw = TOY_HW.model_copy(update=dict(sharded_layer_overhead_s=1e-3, tensor_parallel_layer_overhead_s=1e-4))
+    hw = TOY_HW.model_copy(update=dict(sharded_unit_overhead_s=1e-3, tensor_parallel_layer_overhead_s=1e-4))
     plain = TOY_HW
     common = dict(tokens=64, seq_len=8, pp=1, tp=1, recompute=False, intra_node_tp=True, dp_spans_nodes=False,
                   microbatches=2)
     for sharding, extra in (("fsdp", True), ("zero2", True), ("zero1", False), ("none", False)):
         with_it = timing.training_step_time(TOY, dp=2, fsdp=1, sharding=sharding, hw=hw, **common).total_s
         without = timing.training_step_time(TOY, dp=2, fsdp=1, sharding=sharding, hw=plain, **common).total_s
-        # 2 micro-batches x 2 layers x 1 ms
-        assert with_it - without == pytest.approx(4e-3 if extra else 0.0)
+        # 2 micro-batches x 1 unit (the toy model is smaller than one) x 1 ms
+        assert with_it - without == pytest.approx(2e-3 if extra else 0.0)
     alone = dict(common, dp=1, fsdp=1, sharding="fsdp")
     assert timing.training_step_time(TOY, hw=hw, **alone).total_s == timing.training_step_time(TOY, hw=plain, **alone).total_s
     # Generation: 1 prefill + 3 decode passes, 2 layers each, 0.1 ms per layer and pass at tp 2.
