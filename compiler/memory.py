@@ -125,3 +125,13 @@ def gen_weights(role: Role, tp: int, precision: str) -> float:
     if precision == "fp8":
         return cost.weight_bytes(role.dims, cost.PRECISION_BYTES["fp8"], dtype_bytes) / tp
     return cost.weight_bytes(role.dims, dtype_bytes) / tp
+
+
+def gen_sync_staging(role: Role, tp: int, precision: str, *, colocated: bool) -> float:
+    """Bytes per device an fp8 generator holds beside its weights while a weight sync fills it: the block
+    linears of its shard at the trainer's dtype (the wire's), received whole before they are quantized
+    (`executors.fp8.staging_tensors`). A colocated tp-1 generator quantizes the trainer's weights tensor by
+    tensor (none staged); a generator at the model's precision receives straight into its weights."""
+    if precision != "fp8" or (colocated and tp == 1):
+        return 0.0
+    return cost.layer_linear_params(role.dims) * role.dims.num_layers / tp * max(role.weight_bytes, cost.BF16_BYTES)

@@ -42,8 +42,8 @@ from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
-from graphrl.compiler.memory import (MeshMemory, gen_kv_per_token, gen_per_sequence, gen_weights, infer_state,
-                                     resident_while_generating, train_state, trainer_mesh_memory)
+from graphrl.compiler.memory import (MeshMemory, gen_kv_per_token, gen_per_sequence, gen_sync_staging, gen_weights,
+                                     infer_state, resident_while_generating, train_state, trainer_mesh_memory)
 from graphrl.compiler.roles import Workload
 
 
@@ -311,6 +311,12 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
             return _reject(ev, p.generator.name, need, p.usable,
                            f"generator weights ({gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB) "
                            f"beside {resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
+        staging = gen_sync_staging(p.generator, gen.tp, gen.precision, colocated=True)
+        if staging and resident + gen_weights(p.generator, gen.tp, gen.precision) + staging > p.usable:
+            need = resident + gen_weights(p.generator, gen.tp, gen.precision) + staging
+            return _reject(ev, p.generator.name, need, p.usable,
+                           f"the fp8 generator's weight sync stages {staging / GB:.1f} GB per device beside its "
+                           f"weights and {resident / GB:.1f} GB of trainer state")
         phases["generate"] = res[0]
         phases["reshard_in_place"] = reshard_in_place_time(p, train, gen)[0]
     times = times or trainer_times(p, train)
@@ -327,6 +333,11 @@ def _gen_half(p: Problem, gen: GenCfg) -> tuple[float, str | None, float]:
         need = gen_weights(p.generator, gen.tp, gen.precision) + gen_per_sequence(p, p.generator, gen.tp)
         return math.inf, (f"generator weights {gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB per "
                           f"device leave no room for the KV cache ({p.usable / GB:.1f} GB usable)"), need
+    staging = gen_sync_staging(p.generator, gen.tp, gen.precision, colocated=False)
+    need = gen_weights(p.generator, gen.tp, gen.precision) + staging
+    if need > p.usable:
+        return math.inf, (f"the fp8 generator's weight sync stages {staging / GB:.1f} GB per device beside its "
+                          f"weights ({p.usable / GB:.1f} GB usable)"), need
     return res[0], None, 0.0
 
 
@@ -447,6 +458,7 @@ def no_fit_error(p: Problem, rejected: list[Evaluated]) -> PlacementError:
         fixes.append(f"a larger tp (tp: {nearest.train.tp * 2})")
     return PlacementError(
         f"no layout fits: {nearest.worst_role} needs {nearest.needed_bytes / GB:.2f} GB per device, "
-        f"{nearest.available_bytes / GB:.2f} GB available (nearest: {nearest.label})",
+        f"{nearest.available_bytes / GB:.2f} GB available (nearest: {nearest.label}"
+        + (f": {nearest.reason}" if nearest.reason else "") + ")",
         path=("placement", "roles", nearest.worst_role or ""), fix="try " + ", or ".join(fixes),
     )

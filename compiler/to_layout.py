@@ -22,7 +22,8 @@ from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import Evaluated, Problem
-from graphrl.compiler.memory import gen_kv_per_token, gen_weights, resident_while_generating, trainer_mesh_memory
+from graphrl.compiler.memory import (gen_kv_per_token, gen_sync_staging, gen_weights, resident_while_generating,
+                                     trainer_mesh_memory)
 from graphrl.compiler.placement import (SearchResult, generation_time, reshard_in_place_time, role_times,
                                         rollout_transfer_time, weight_sync_time)
 from graphrl.compiler.roles import effective_mode
@@ -111,22 +112,26 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                 + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")
                 + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
             resident = resident_while_generating(mem)
-            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total),
+            synced = gmem.params + gen_sync_staging(g, gen.tp, gen.precision, colocated=True)
+            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total,
+                                                                               resident + synced),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))
         else:
+            staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False)
             t, b = weight_sync_time(p, train, gen)
             operations.append(Operation(
                 kind="weight_sync", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
                 detail=f"DDMA point-to-point, {train.n} senders -> {gen.n} receivers ({gen.dp} replicas x tp{gen.tp})"
-                       + (", fp8 cast on receive" if gen.precision == "fp8" else "")
+                       + (f", fp8: received at the trainer's dtype ({staging / 2**30:.2f} GiB staged per device) "
+                          "and quantized" if gen.precision == "fp8" else "")
                        + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
             t, b = rollout_transfer_time(p, p.spans(min(train.first, gen.first), train.n + gen.n))
             operations.append(Operation(kind="reshard", src=g.name, dst=trainer_mesh, num_bytes=b, time_s=t,
                                         detail=f"rollouts from {gen.dp} generator replicas to {train.dp * train.fsdp} trainer ranks, balanced by tokens"))
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
                                               roles=[pl.role for pl in placements if pl.mesh == trainer_mesh]))
-            device_memory.append(DeviceMemory(mesh="generator", peak_bytes=gmem.total, capacity_bytes=capacity,
-                                              roles=[g.name]))
+            device_memory.append(DeviceMemory(mesh="generator", peak_bytes=max(gmem.total, gmem.params + staging),
+                                              capacity_bytes=capacity, roles=[g.name]))
     else:
         device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
                                           roles=[pl.role for pl in placements]))

@@ -212,3 +212,39 @@ def test_a_colocated_generator_as_wide_as_an_fsdp_trainer_reshards_for_less_than
     hsdp = TrainCfg(0, 2, 2, 1, 1, 1, "fsdp", False, False)  # dp2 x fsdp1: no device holds a tp shard
     gather_s, gather_bytes = reshard_in_place_time(problem, hsdp, GenCfg(0, 2, 2, "bf16"))
     assert 0 < aligned_s < gather_s and aligned_bytes < gather_bytes
+
+
+def test_an_fp8_generators_weight_sync_staging_is_charged():
+    """A DDMA sync into an fp8 generator receives its block linears at the trainer's dtype before
+    quantizing them (`executors.fp8.staging_tensors`): the generator mesh's peak holds its weights and
+    that staging; a colocated tp-1 generator quantizes tensor by tensor and stages nothing."""
+    from graphrl.compiler import cost
+    from graphrl.schemas.model import MODEL_PRESETS
+
+    plan = compile_example("llama3_70b.yaml")
+    (gen,) = [p for p in plan.chosen.placements if p.kind == "generate"]
+    assert plan.chosen.strategy == "disaggregated" and gen.precision == "fp8"
+    dims = MODEL_PRESETS["llama3-70b"]
+    staging = cost.layer_linear_params(dims) * dims.num_layers / gen.tp * 2
+    (mesh,) = [dm for dm in plan.chosen.device_memory if dm.mesh == "generator"]
+    assert mesh.peak_bytes >= gen.memory_bytes.params + staging
+    (sync,) = [op for op in plan.chosen.operations if op.kind == "weight_sync"]
+    assert "staged per device" in sync.detail
+    job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"),
+                          [parse_override("placement.roles.policy/generate.precision=fp8")])
+    tiny = compile_job(job, job_cluster(job, None), steps=4)
+    tiny_gen = {p.role: p for p in tiny.chosen.placements}["policy/generate"]
+    assert tiny.chosen.strategy == "colocated" and tiny_gen.tp == 1
+    (dm,) = tiny.chosen.device_memory
+    assert dm.peak_bytes == max(dm.peak_bytes, tiny_gen.memory_bytes.params)  # nothing staged beside it
+
+
+def test_an_fp8_generator_whose_sync_staging_does_not_fit_is_refused_with_the_reason():
+    """405B on 8-way tp: fp8 weights fit an H100, but the bf16 staging of a DDMA sync beside them does not."""
+    job = apply_overrides(load_job(EXAMPLES / "llama3_405b.yaml"),
+                          [parse_override(s) for s in (
+                              "placement.roles.policy/generate.precision=fp8", "placement.roles.policy/generate.tp=8",
+                              "placement.strategy=disaggregated", "placement.roles.policy.fsdp=20",
+                              "placement.roles.policy.tp=8", "placement.roles.policy.sharding=fsdp")])
+    with pytest.raises(PlacementError, match="weight sync stages"):
+        compile_job(job, job_cluster(job, None), steps=4)
