@@ -15,6 +15,7 @@ in the same sense (token means over the whole batch).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from graphrl.registry import Registry
-from graphrl.schemas.algorithms import KLEstimatorName, LossAggregation, Normalization
+from graphrl.schemas.algorithms import ImportanceLevel, ImportanceMode, KLEstimatorName, LossAggregation, Normalization
 from graphrl.schemas.job import AdvantageNode, AlgorithmSpec
 
 KLEstimator = KLEstimatorName
@@ -307,24 +308,39 @@ def policy_loss(
 
 def aipo_loss(
     logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, mask: Tensor, rho: float, *,
-    weights: TokenWeights | None = None,
+    weights: TokenWeights | None = None, level: ImportanceLevel = "token", mode: ImportanceMode = "truncate",
 ) -> tuple[Tensor, Metrics]:
     """AIPO (LlamaRL, Wu et al. 2025): off-policy REINFORCE with a truncated importance weight.
 
         w_is = min(exp(logp - behaviour_logp), rho), detached
         loss = -sum_t w_t * w_is * A * logp          (w: the aggregation's weights)
-    The behaviour log-probs come from the (possibly stale) generator; truncating at rho bounds the
-    variance the lag introduces. Metrics: loss, clipped_frac (tokens with exp(...) > rho), weight_mean.
+    The behaviour log-probs come from the (possibly stale) generator or serving engine; truncating at rho
+    bounds the variance the lag or the mismatch introduces. `level` takes the ratio per token, per
+    response (the product of its tokens' ratios, on every token of it) or as the response's geometric
+    mean; `mode="mask"` keeps the weight inside [1/rho, rho] and gives the tokens outside it weight 0
+    instead of capping. Metrics: loss, clipped_frac (tokens whose weight was capped or masked),
+    weight_mean.
     """
     mask = mask.to(torch.bool)
     w = _weights_of(mask, weights)
     with torch.no_grad():
-        raw_weight = torch.exp(logprobs - behaviour_logprobs)
-        weight = torch.clamp(raw_weight, max=rho)
+        log_ratio = torch.where(mask, logprobs - behaviour_logprobs, 0.0)
+        if level != "token":  # one ratio per response, in log space (a product of ratios overflows)
+            per_row = log_ratio.sum(dim=-1, keepdim=True)
+            if level == "geometric":
+                per_row = per_row / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            log_ratio = per_row.expand_as(log_ratio)
+        log_rho = math.log(rho)
+        if mode == "truncate":
+            outside = log_ratio > log_rho
+            weight = torch.exp(log_ratio.clamp(max=log_rho))
+        else:
+            outside = log_ratio.abs() > log_rho
+            weight = torch.where(outside, 0.0, torch.exp(log_ratio.clamp(-log_rho, log_rho)))
     loss = -weighted_sum(weight * advantages * logprobs, w.loss)
     metrics = {
         "loss": loss.item(),
-        "clipped_frac": weighted_sum((raw_weight > rho).float(), w.stats).item(),
+        "clipped_frac": weighted_sum(outside.float(), w.stats).item(),
         "weight_mean": weighted_sum(weight, w.stats).item(),
     }
     return loss, metrics
@@ -493,5 +509,6 @@ POLICY_LOSS_FNS.add("grpo", _clipped_surrogate)
 
 @POLICY_LOSS_FNS.register("aipo")
 def _aipo(x: PolicyLossInputs) -> tuple[Tensor, Metrics]:
-    return aipo_loss(x.logprobs, x.behaviour_logprobs, x.advantages, x.mask, x.algorithm.aipo_rho,
-                     weights=x.weights)
+    a = x.algorithm
+    return aipo_loss(x.logprobs, x.behaviour_logprobs, x.advantages, x.mask, a.aipo_rho, weights=x.weights,
+                     level=a.aipo_level, mode=a.aipo_mode)

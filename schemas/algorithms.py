@@ -20,6 +20,12 @@ KLEstimatorName = Literal["k1", "k2", "k3", "k3_is"]
 """Per-token estimators of KL(pi || pi_ref) (Schulman 2020; k3_is: Tang & Munos 2025)."""
 KLPlacement = Literal["loss", "reward"]
 """Where the KL penalty acts: a term of the policy loss, or a per-token reward before the advantage."""
+ImportanceLevel = Literal["token", "sequence", "geometric"]
+"""What AIPO's importance weight pi/mu is taken over: each token's own ratio, the response's (the product of
+its tokens' ratios), or the response's geometric mean (the product's 1/T-th power, T its real tokens)."""
+ImportanceMode = Literal["truncate", "mask"]
+"""What AIPO does with a weight outside the trust region: cap it at rho (truncated importance sampling), or
+drop its tokens from the loss when it leaves [1/rho, rho] (masked importance sampling)."""
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 """How per-token losses become one number: the mean over every real token of the batch (DAPO), the mean
 over responses of each response's token mean (GRPO paper), the mean over responses of each response's

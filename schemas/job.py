@@ -12,8 +12,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from graphrl.schemas.algorithms import (ESTIMATORS, LOSSES, KLEstimatorName, KLPlacement, LossAggregation,
-                                        Normalization, check_name)
+from graphrl.schemas.algorithms import (ESTIMATORS, LOSSES, ImportanceLevel, ImportanceMode, KLEstimatorName,
+                                        KLPlacement, LossAggregation, Normalization, check_name)
 from graphrl.schemas.base import Boolean, Frozen, Integer, Real
 from graphrl.schemas.model import ModelSpec
 
@@ -285,6 +285,14 @@ class AlgorithmSpec(Frozen):
     aipo_rho: Real = Field(
         default=4.0, gt=1, description="AIPO truncation: importance weight min(pi/mu, rho) (typically 2..10)."
     )
+    aipo_level: ImportanceLevel = Field(
+        default="token", description="What AIPO's importance weight pi/mu is taken over: 'token' (each token's "
+        "ratio), 'sequence' (the response's: the product of its tokens' ratios, the same weight on every token "
+        "of it), 'geometric' (the response's geometric mean ratio, exp of its tokens' mean log-ratio).")
+    aipo_mode: ImportanceMode = Field(
+        default="truncate", description="What AIPO does with a weight outside its trust region: 'truncate' caps it "
+        "at aipo_rho (min(w, rho)); 'mask' keeps the weight w where 1/rho <= w <= rho and drops its tokens from "
+        "the loss otherwise (the train/inference mismatch of a serving engine, corrected by rejection).")
     micro_batch_size: Integer = Field(
         default=0, ge=0, description="Responses per forward (and backward) on each rank; gradients accumulate over "
         "a rank's micro-batches, so the step equals the whole-batch step. 0 = a rank's whole batch at once.")

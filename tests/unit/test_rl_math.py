@@ -268,6 +268,60 @@ def test_aipo_loss_against_llamarl(agg: str) -> None:
     torch.testing.assert_close(logp.grad, -w * is_weight * adv, rtol=1e-5, atol=1e-7)
 
 
+def aipo_weight_reference(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, rho: float, level: str,
+                          mode: str) -> torch.Tensor:
+    """The importance weight of each token, written out row by row: the ratio of the token, of the
+    response (the product of its real tokens' ratios) or the response's geometric mean; capped at rho, or
+    kept inside [1/rho, rho] and 0 outside."""
+    out = torch.zeros_like(logp)
+    for i in range(logp.shape[0]):
+        tokens = [j for j in range(logp.shape[1]) if mask[i, j]]
+        ratios = [math.exp(float(logp[i, j] - behaviour[i, j])) for j in tokens]
+        for j, r in zip(tokens, ratios):
+            if level == "sequence":
+                r = math.prod(ratios)
+            elif level == "geometric":
+                r = math.prod(ratios) ** (1 / len(ratios))
+            out[i, j] = min(r, rho) if mode == "truncate" else (r if 1 / rho <= r <= rho else 0.0)
+    return out
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_aipo_importance_levels_and_modes(agg: str, level: str, mode: str) -> None:
+    """-sum_t w_t w_is A log pi with the weight of each level and mode as written out above (rows with an
+    empty and a full response among ragged ones); clipped_frac counts the tokens whose weight changed."""
+    mask = ragged_mask(8, 6, seed=11)
+    mask[0], mask[1] = False, True
+    behaviour = torch.randn(8, 6) * 0.1 - 1.0
+    shift = torch.linspace(-1.2, 1.2, 8).unsqueeze(1)  # responses from far below to far above the trust region
+    logp = (behaviour + shift + torch.randn(8, 6) * 0.3).requires_grad_()
+    adv = torch.randn(8, 6)
+    loss, metrics = alg.aipo_loss(logp, behaviour, adv, mask, 2.0, weights=alg.token_weights(mask, agg),  # type: ignore[arg-type]
+                                  level=level, mode=mode)  # type: ignore[arg-type]
+    w = weights_reference(mask, agg)
+    is_weight = aipo_weight_reference(logp.detach(), behaviour, mask, 2.0, level, mode)
+    torch.testing.assert_close(loss, -(w * is_weight * adv * logp).sum(), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -w * is_weight * adv, rtol=1e-5, atol=1e-7)
+    raw = aipo_weight_reference(logp.detach(), behaviour, mask, math.inf, level, "truncate")
+    changed = ((raw != is_weight) & mask).float()
+    assert metrics["clipped_frac"] == pytest.approx(float((weights_reference(mask, "token_mean") * changed).sum()))
+    assert 0 < metrics["clipped_frac"] < 1
+
+
+def test_aipo_sequence_weights_are_finite_where_the_product_of_ratios_overflows() -> None:
+    """A long response whose tokens each have ratio e^2: the product (e^2000) overflows a float, its log
+    does not; truncated to rho, masked to 0."""
+    logp, behaviour = torch.full((1, 1000), -1.0), torch.full((1, 1000), -3.0)
+    mask, adv = torch.ones(1, 1000, dtype=torch.bool), torch.ones(1, 1000)
+    _, truncated = alg.aipo_loss(logp, behaviour, adv, mask, 2.0, level="sequence")
+    _, masked = alg.aipo_loss(logp, behaviour, adv, mask, 2.0, level="sequence", mode="mask")
+    assert truncated["weight_mean"] == pytest.approx(2.0) and masked["weight_mean"] == 0.0
+    assert truncated["clipped_frac"] == masked["clipped_frac"] == pytest.approx(1.0)
+
+
 # ---- KL estimators: values, and the direction of their expected gradients
 
 
