@@ -633,7 +633,8 @@ def training_step_time(
       token counts, and with micro-batches their count).
     - host: per micro-batch, `train_layer_overhead_s` per layer (plus `layer_overhead_s` with recompute,
       and `data_parallel_layer_overhead_s` on a data-parallel rank) and `train_pass_overhead_s`, plus
-      `sharded_unit_overhead_s` per FSDP2 unit where FSDP2 shards the model.
+      `sharded_unit_overhead_s` per FSDP2 unit where FSDP2 shards the model; and per step
+      `zero1_step_overhead_s` on a ZeRO-1 rank.
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
@@ -673,6 +674,8 @@ def training_step_time(
         if sharding in ("zero2", "fsdp"):
             per_pass += units * hw.sharded_unit_overhead_s
     host = m * (layers_per_stage * per_layer + per_pass)
+    if d > 1 and sharding == "zero1":
+        host += hw.zero1_step_overhead_s
     return StepCost(
         compute_s=compute + host, comm_s=tp_comm + pp_comm + overlappable + not_overlappable,
         exposed_comm_s=exposed, bubble_s=bubble, total_s=compute + host + exposed + bubble,

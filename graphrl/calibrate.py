@@ -86,6 +86,19 @@ def _loop_times(fn: Callable[[], Any], repeat: int, min_time_s: float) -> list[f
     return times
 
 
+def _interleaved_times(calls: dict[str, Callable[[], Any]], cycles: int = 9) -> dict[str, float]:
+    """Seconds per call of each of `calls`, the median over `cycles` rounds that call each once in turn:
+    what a call costs right after the others, as a run's phases do (a tight loop of one call keeps its
+    own code and data warm). Every process of a gloo group runs the same rounds."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(cycles):
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def matmul_flops(sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)) -> dict[int, float]:
     out = {}
     for n in sizes:
@@ -144,7 +157,7 @@ def predicted_probe_s(probe: Probe, hw: HardwareSpec) -> float:
 
 def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
     """argmin ||A x - b|| over x >= 0, exactly: the best unconstrained fit over every subset of free
-    variables whose solution is nonnegative (the host model has ten unknowns, so 1023 subsets)."""
+    variables whose solution is nonnegative (the host model has eleven unknowns, so 2047 subsets)."""
     a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(target, dtype=torch.float64)[:, None]
     n = a.shape[1]
     best, best_err = [0.0] * n, float(b.square().sum())
@@ -317,6 +330,10 @@ def probe_model_code(
         model.train()
         t_fwd = _typical_time(forward, repeat=5)
         t_train = _typical_time(train, repeat=5)
+        # A run calls each phase once per step between the others, on caches the others have just used.
+        cold = _interleaved_times({"generate": lambda: _probe_generate(model, prompt_ids, prompt_mask, uniforms),
+                                   "forward": forward, "train": train})
+        t_gen, t_fwd, t_train = max(t_gen, cold["generate"]), max(t_fwd, cold["forward"]), max(t_train, cold["train"])
         for phase, seconds in (("generate", t_gen), ("forward", t_fwd), ("train", t_train)):
             probes.append(Probe(phase, d, batch, prompt_len, response_len, seconds, dtype_bytes,  # type: ignore[arg-type]
                                 torch.get_num_threads(), dist.get_world_size() if group is not None else 1))
@@ -335,8 +352,9 @@ _PROBE_RUNTIME = _ProbeRuntime()
 
 def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[int, ...] = (1, 4),
                   batch: int = 128, prompt_len: int = 6, response_len: int = 5) -> list[Probe]:
-    """On the processes of a gloo group: a training step with FSDP2 (`sharding: fsdp`) over all of them,
-    and generation on one tensor-parallel replica over all of them, as the executor runs both."""
+    """On the processes of a gloo group: a training step with FSDP2 (`sharding: fsdp`) and one with ZeRO-1
+    (DDP and ZeroRedundancyOptimizer) over all of them, and generation on one tensor-parallel replica over
+    all of them, as the executor runs them."""
     from graphrl.executors.models.llama import Llama
     from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 
@@ -360,6 +378,10 @@ def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[
                               advantages, dist.group.WORLD)
         probes.append(Probe("train", d, batch, prompt_len, response_len, _typical_time(train), 4,
                             torch.get_num_threads(), world, sharding="fsdp"))
+        train = _probe_update(_probe_trainer(Llama(d), "zero1", dist.group.WORLD), prompt_ids, prompt_mask, out,
+                              advantages, dist.group.WORLD)
+        probes.append(Probe("train", d, batch, prompt_len, response_len, _typical_time(train), 4,
+                            torch.get_num_threads(), world, sharding="zero1"))
     return probes
 
 
@@ -799,7 +821,8 @@ def _report_fit(probes: list[Probe], fitted: HardwareSpec, report: Callable[[str
            f"training, {fitted.decode_token_overhead_s * 1e6:.2f} µs per generated token; per pass: "
            f"{fitted.pass_overhead_s * 1e6:.0f} µs forward, {fitted.train_pass_overhead_s * 1e6:.0f} µs training; "
            f"{fitted.data_parallel_layer_overhead_s * 1e6:.0f} µs per layer on a data-parallel rank "
-           f"(+{fitted.sharded_unit_overhead_s * 1e6:.0f} µs per FSDP2 unit), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
+           f"(+{fitted.sharded_unit_overhead_s * 1e6:.0f} µs per FSDP2 unit, +{fitted.zero1_step_overhead_s * 1e6:.0f} µs per "
+           f"ZeRO-1 step), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
            f"µs per layer and pass on a tensor-parallel rank; elementwise "
            f"{fitted.elementwise_rate / 1e9:.1f} GB/s forward, {fitted.backward_elementwise_rate / 1e9:.1f} backward")
 

@@ -96,7 +96,7 @@ class VocabCost(Frozen):
 
 
 HOST_FIT_FIELDS = ("layer_overhead_s", "pass_overhead_s", "decode_token_overhead_s", "train_layer_overhead_s",
-                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "sharded_unit_overhead_s",
+                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "sharded_unit_overhead_s", "zero1_step_overhead_s",
                    "tensor_parallel_layer_overhead_s", "elementwise_bandwidth", "backward_elementwise_bandwidth")
 
 
@@ -118,6 +118,8 @@ class HostFit(Frozen):
                                                                    "micro-batch of a data-parallel rank.")
     sharded_unit_overhead_s: Real = Field(ge=0, description="Further host seconds per FSDP2 unit per training "
                                                             "micro-batch of a rank whose state FSDP2 shards.")
+    zero1_step_overhead_s: Real = Field(default=0.0, ge=0, description="Further host seconds per optimizer step of "
+                                                                      "a ZeRO-1 rank.")
     tensor_parallel_layer_overhead_s: Real = Field(ge=0, description="Extra host seconds per layer per forward "
                                                                      "pass of a tensor-parallel rank.")
     elementwise_bandwidth: Real = Field(ge=0, description="Bytes/s of a forward's elementwise kernels.")
@@ -233,6 +235,12 @@ class HardwareSpec(Frozen):
         default=(),
         description="Host figures fitted to the models of the jobs calibrated (`graphrl calibrate JOB`), by model "
                     "width and threads; see `for_rank`.",
+    )
+    zero1_step_overhead_s: Real = Field(
+        default=0.0, ge=0,
+        description="Further host time per optimizer step of a data-parallel rank whose optimizer state ZeRO-1 shards "
+                    "(torch's ZeroRedundancyOptimizer: its partition bookkeeping and per-rank broadcasts beyond the "
+                    "modelled all-gather), seconds. Fitted by `graphrl calibrate` from side-by-side ZeRO-1 probes.",
     )
     sharded_unit_overhead_s: Real = Field(
         default=0.0, ge=0,

@@ -653,6 +653,12 @@ def test_layout_overheads_are_charged_only_where_the_layout_runs() -> None:
         assert with_it - without == pytest.approx(2e-3 if extra else 0.0)
     alone = dict(common, dp=1, fsdp=1, sharding="fsdp")
     assert timing.training_step_time(TOY, hw=hw, **alone).total_s == timing.training_step_time(TOY, hw=plain, **alone).total_s
+    # ZeRO-1's own host time: once per optimizer step (not per micro-batch), on a data-parallel rank only.
+    zero1_hw = TOY_HW.model_copy(update=dict(zero1_step_overhead_s=5e-3))
+    for sharding, dp, extra in (("zero1", 2, 5e-3), ("none", 2, 0.0), ("zero1", 1, 0.0), ("fsdp", 2, 0.0)):
+        args = dict(common, dp=dp, fsdp=1, sharding=sharding)
+        assert (timing.training_step_time(TOY, hw=zero1_hw, **args).total_s
+                - timing.training_step_time(TOY, hw=plain, **args).total_s) == pytest.approx(extra)
     # Generation: 1 prefill + 3 decode passes, 2 layers each, 0.1 ms per layer and pass at tp 2.
     tp2 = timing.generation_time(TOY, 4, 5, 4, 2, "bf16", hw) - timing.generation_time(TOY, 4, 5, 4, 2, "bf16", plain)
     assert tp2 == pytest.approx(4 * 2 * 1e-4)
