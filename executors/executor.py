@@ -395,11 +395,12 @@ class RankExecutor:
     def reward(self, ins: Reward) -> None:
         r = self.read(ins, "rollouts")
         spec = self.nodes[ins.node].spec
-        responses = self.source.decode(r["response_ids"], r["response_mask"])
+        # Text only where it is read: every response for answer rules, the step's samples otherwise.
+        responses = self.source.decode(r["response_ids"], r["response_mask"]) if spec.rules else None
         examples = self.source.examples(ins.step)
         answers = None if examples is None else [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)]
         if spec.rules:
-            assert answers is not None  # typecheck: answer rules need a file dataset
+            assert answers is not None and responses is not None  # typecheck: answer rules need a file dataset
             try:
                 rewards = torch.tensor(combined_reward(spec.rules, responses, answers), dtype=torch.float32)
             except RewardRuleError as exc:
@@ -431,7 +432,9 @@ class RankExecutor:
         if ins.start == 0:  # the first responses of each step, written once whichever rank scores them
             n = min(self.samples.per_step, ins.stop - ins.start)
             prompts = self.source.decode(r["prompt_ids"][:n], r["prompt_mask"][:n])
-            self.samples.write(ins.step, int(r["version"].item()), prompts, responses[:n], rewards[:n].tolist(),
+            shown = responses[:n] if responses is not None else self.source.decode(r["response_ids"][:n],
+                                                                                    r["response_mask"][:n])
+            self.samples.write(ins.step, int(r["version"].item()), prompts, shown, rewards[:n].tolist(),
                                r["response_mask"][:n].sum(1).tolist(), None if answers is None else answers[:n])
         stats = self.stats.setdefault(ins.step, StepStats())
         stats.reward_sum += float(rewards.sum())
