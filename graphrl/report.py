@@ -188,7 +188,21 @@ def simulated_spans(plan: Plan) -> list[TimedSpan]:
     programs = plan.programs.with_steps(plan.programs.window_steps(REPORT_SIMULATED_ITERATIONS))
     result = run_programs(programs, hw=plan.hardware, devices_per_node=plan.cluster.devices_per_node, timed=True,
                           trace_ranks=set(range(programs.num_ranks)))
-    return [TimedSpan(s.rank, s.name, s.category, s.start, s.end - s.start) for s in result.spans]
+    return as_measured([TimedSpan(s.rank, s.name, s.category, s.start, s.end - s.start) for s in result.spans])
+
+
+def as_measured(spans: list[TimedSpan]) -> list[TimedSpan]:
+    """Simulated spans as a rank measures its own: an instruction that waits for its peers (a receive, a
+    collective) is timed from the moment the rank reaches it, so the wait is inside its span. The
+    simulator starts it when the peers are there; here it starts where the rank's previous span ended
+    (an instruction that waits for nobody starts there anyway)."""
+    out: list[TimedSpan] = []
+    previous_end: dict[int, float] = {}
+    for s in sorted(spans, key=lambda s: (s.rank, s.start_s)):
+        start = min(s.start_s, previous_end.get(s.rank, s.start_s))
+        out.append(TimedSpan(s.rank, s.name, s.kind, start, s.start_s + s.dur_s - start))
+        previous_end[s.rank] = s.start_s + s.dur_s
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

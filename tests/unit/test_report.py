@@ -396,3 +396,19 @@ def test_report_page_renders_in_chromium(full_report, tmp_path):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 40_000  # a blank page compresses to a few KB; this one has four charts and tables
+
+
+def test_simulated_spans_include_the_wait_for_peers_as_a_rank_measures_it() -> None:
+    """The simulator starts a receive (or a collective) when its peers are there; a rank times it from
+    when it reaches it. `as_measured` moves each span's start back to the end of the rank's previous span,
+    so a trainer's receive holds its wait for the generator, as in timeline.json."""
+    from graphrl.report import as_measured
+
+    spans = [TimedSpan(0, "Generate step=0", "Generate", 0.0, 1.0),
+             TimedSpan(1, "TrainStep step=0", "TrainStep", 0.0, 0.5),
+             TimedSpan(1, "Recv step=1", "Recv", 1.5, 0.25),  # rank 1 idles from 0.5 until its peer sends
+             TimedSpan(1, "TrainStep step=1", "TrainStep", 1.75, 0.5)]
+    out = {(s.rank, s.name): s for s in as_measured(spans)}
+    assert out[(1, "Recv step=1")].start_s == 0.5 and out[(1, "Recv step=1")].end_s == 1.75
+    assert out[(1, "TrainStep step=1")] == spans[3] and out[(0, "Generate step=0")] == spans[0]
+    assert out[(1, "TrainStep step=0")] == spans[1]  # a rank's first span keeps its start
