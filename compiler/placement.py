@@ -151,7 +151,10 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
     for role in p.roles_of("infer", "train"):
         forward = timing.forward_time(role.dims, tokens=whole.tokens, seq_len=whole.keys, head_rows=whole.head_rows,
                                       microbatches=whole.microbatches, dtype_bytes=role.weight_bytes,
-                                      trained=role.kind == "train", **common).total_s + p.hw.op_overhead_s
+                                      trained=role.kind == "train",
+                                      # frozen models are sharded over the trainer's ranks (`infer_state`)
+                                      sharded=role.kind == "infer" or cfg.sharding in ("zero2", "fsdp"),
+                                      **common).total_s + p.hw.op_overhead_s
         if role.kind == "infer":
             out[CostKey("Forward", role.name)] = forward
             continue

@@ -700,15 +700,17 @@ def forward_time(
     dtype_bytes: float = BF16_BYTES,
     head_rows: float | None = None,
     trained: bool = False,
+    sharded: bool | None = None,
 ) -> StepCost:
     """Seconds of a forward-only pass (logprob, value or reward) over `tokens` tokens in sequences of
     `seq_len`, spread over dp*fsdp data-parallel ranks, the head on `head_rows` of them (all by default).
 
     - compute per micro-batch: `pass_compute_seconds` (forward) through this stage's layers and the head;
     - tensor parallel: 2 all-reduces per layer and micro-batch (critical path).
-    - fsdp > 1: one all-gather of the bf16 weights over the fsdp group (D = dp*fsdp shards, as in
-      `training_memory`), a collective per FSDP2 unit (`fsdp_units`: a frozen model's are its layers),
-      overlapped with compute as in `_overlap`.
+    - `sharded` (FSDP2 holds the weights as shards over the D = dp*fsdp ranks; default: when fsdp > 1):
+      one all-gather of the bf16 weights over them, a collective per FSDP2 unit (`fsdp_units`: a frozen
+      model's are its layers), overlapped with compute as in `_overlap`, and
+      `sharded_forward_unit_overhead_s` of host time per unit and micro-batch.
     - pipeline: forward sends and the bubble (pp-1)/m of the ideal time, m = `microbatches`
       (default 4*pp).
     - host: `layer_overhead_s` per layer (plus `tensor_parallel_layer_overhead_s` on a tp rank) and
@@ -730,7 +732,8 @@ def forward_time(
 
     gather = 0.0
     units = fsdp_units(dims, layer_params(dims) / tp * dtype_bytes, pp, trained=trained)
-    if fsdp > 1:
+    sharded = (fsdp > 1 if sharded is None else sharded) and d > 1
+    if sharded:
         buffer = param_count(dims) / (tp * pp) * BF16_BYTES
         gather = chunked_collective_time("all_gather", buffer, units, d, hw, dp_spans_nodes)
     exposed_gather = _overlap(gather, compute, units)
@@ -739,7 +742,8 @@ def forward_time(
     bubble = critical * (pp - 1) / m
     exposed = tp_comm + pp_comm + exposed_gather
     per_layer = hw.layer_overhead_s + (hw.tensor_parallel_layer_overhead_s if tp > 1 else 0.0)
-    host = m * (layers_per_stage * per_layer + hw.pass_overhead_s)
+    per_pass = hw.pass_overhead_s + (units * hw.sharded_forward_unit_overhead_s if sharded else 0.0)
+    host = m * (layers_per_stage * per_layer + per_pass)
     return StepCost(
         compute_s=compute + host, comm_s=tp_comm + pp_comm + gather, exposed_comm_s=exposed, bubble_s=bubble,
         total_s=compute + host + exposed + bubble,

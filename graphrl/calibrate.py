@@ -145,9 +145,11 @@ def predicted_probe_s(probe: Probe, hw: HardwareSpec) -> float:
     if probe.phase == "generate":
         return timing.generation_time(probe.dims, probe.batch, probe.prompt_len, probe.response_len, probe.tp, "bf16",
                                       hw, dtype_bytes=probe.dtype_bytes)
-    if probe.phase == "forward":
-        return timing.forward_time(probe.dims, tokens=tokens, seq_len=seq_len, hw=hw, microbatches=1,
-                                   dtype_bytes=probe.dtype_bytes, head_rows=rows).total_s
+    if probe.phase == "forward":  # sharded: a frozen model's forward, data-parallel over the probe's ranks
+        ranks = probe.ranks if probe.sharding == "fsdp" else 1
+        return timing.forward_time(probe.dims, tokens=tokens * ranks, seq_len=seq_len, hw=hw, microbatches=1,
+                                   dtype_bytes=probe.dtype_bytes, head_rows=rows * ranks, fsdp=ranks,
+                                   sharded=probe.sharding == "fsdp").total_s
     return timing.training_step_time(
         probe.dims, tokens=tokens * probe.ranks, seq_len=seq_len, dp=probe.ranks, fsdp=1, tp=1, pp=1,
         sharding=probe.sharding, recompute=False, hw=hw, intra_node_tp=True, dp_spans_nodes=False, microbatches=1,
@@ -157,7 +159,7 @@ def predicted_probe_s(probe: Probe, hw: HardwareSpec) -> float:
 
 def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
     """argmin ||A x - b|| over x >= 0, exactly: the best unconstrained fit over every subset of free
-    variables whose solution is nonnegative (the host model has eleven unknowns, so 2047 subsets)."""
+    variables whose solution is nonnegative (the host model has twelve unknowns, so 4095 subsets)."""
     a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(target, dtype=torch.float64)[:, None]
     n = a.shape[1]
     best, best_err = [0.0] * n, float(b.square().sum())
@@ -353,9 +355,12 @@ _PROBE_RUNTIME = _ProbeRuntime()
 def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[int, ...] = (1, 4),
                   batch: int = 128, prompt_len: int = 6, response_len: int = 5) -> list[Probe]:
     """On the processes of a gloo group: a training step with FSDP2 (`sharding: fsdp`) and one with ZeRO-1
-    (DDP and ZeroRedundancyOptimizer) over all of them, and generation on one tensor-parallel replica over
-    all of them, as the executor runs them."""
-    from graphrl.executors.models.llama import Llama
+    (DDP and ZeroRedundancyOptimizer) over all of them, a log-prob forward of a frozen model sharded over
+    them, and generation on one tensor-parallel replica over all of them, as the executor runs them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from graphrl.executors.models.llama import Llama, token_logprobs_and_entropy
+    from graphrl.executors.parallel import shard_frozen
     from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 
     world = dist.get_world_size()
@@ -382,7 +387,21 @@ def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[
                               advantages, dist.group.WORLD)
         probes.append(Probe("train", d, batch, prompt_len, response_len, _typical_time(train), 4,
                             torch.get_num_threads(), world, sharding="zero1"))
+        frozen = Llama(d).requires_grad_(False)
+        shard_frozen(frozen, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+
+        def forward() -> None:
+            with torch.no_grad():
+                token_logprobs_and_entropy(frozen, prompt_ids, prompt_mask, out.response_ids, out.response_mask)
+
+        probes.append(Probe("forward", d, batch, prompt_len, response_len, _typical_time(forward), 4,
+                            torch.get_num_threads(), world, sharding="fsdp"))
     return probes
+
+
+def _job_probe_times(rank: int, world: int, threads: int, *args: Any) -> list[Probe]:
+    torch.set_num_threads(threads)
+    return probe_model_code(*args)
 
 
 def _probe_times(rank: int, world: int) -> list[Probe]:
@@ -724,9 +743,15 @@ def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
                     report(f"  vocabulary of {dims.vocab_size}: {cost.generate * 1e9:.2f} ns per entry sampling, "
                            f"{cost.forward * 1e9:.2f} log-prob pass, {cost.train * 1e9:.2f} training pass")
                 torch.set_num_threads(job.threads)
-                report(f"timing {job.name}'s model code at {JOB_PROBE_LAYERS} layers, {job.threads} thread(s)...")
-                probes[-1] += probe_model_code(dims, JOB_PROBE_LAYERS, tuple(sorted({max(1, job.batch // 4), job.batch})),
-                                               job.prompt_len, job.response_len, dtype_bytes)
+                # Side by side on as many processes as the job's ranks that share this machine's cores, as its
+                # ranks compute (each is slower than alone: shared caches and memory bandwidth).
+                side_by_side = max(1, min(job.ranks, (os.cpu_count() or 1) // job.threads))
+                report(f"timing {job.name}'s model code at {JOB_PROBE_LAYERS} layers, {job.threads} thread(s), "
+                       f"{side_by_side} process(es) side by side...")
+                args = (dims, JOB_PROBE_LAYERS, tuple(sorted({max(1, job.batch // 4), job.batch})), job.prompt_len,
+                        job.response_len, dtype_bytes)
+                probes[-1] += (_spawn(side_by_side, _job_probe_times, job.threads, *args) if side_by_side > 1
+                               else probe_model_code(*args))
         largest = max(jobs, key=lambda j: max(param_count(d) for d, _ in j.models), default=None)
         if largest is not None:
             params = min(max(param_count(d) for d, _ in largest.models), MAX_MEASURED_OPTIMIZER_PARAMS)
@@ -821,8 +846,9 @@ def _report_fit(probes: list[Probe], fitted: HardwareSpec, report: Callable[[str
            f"training, {fitted.decode_token_overhead_s * 1e6:.2f} µs per generated token; per pass: "
            f"{fitted.pass_overhead_s * 1e6:.0f} µs forward, {fitted.train_pass_overhead_s * 1e6:.0f} µs training; "
            f"{fitted.data_parallel_layer_overhead_s * 1e6:.0f} µs per layer on a data-parallel rank "
-           f"(+{fitted.sharded_unit_overhead_s * 1e6:.0f} µs per FSDP2 unit, +{fitted.zero1_step_overhead_s * 1e6:.0f} µs per "
-           f"ZeRO-1 step), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
+           f"(+{fitted.sharded_unit_overhead_s * 1e6:.0f} µs per FSDP2 unit, "
+           f"{fitted.sharded_forward_unit_overhead_s * 1e6:.0f} in a forward; +{fitted.zero1_step_overhead_s * 1e6:.0f} "
+           f"µs per ZeRO-1 step), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
            f"µs per layer and pass on a tensor-parallel rank; elementwise "
            f"{fitted.elementwise_rate / 1e9:.1f} GB/s forward, {fitted.backward_elementwise_rate / 1e9:.1f} backward")
 

@@ -96,8 +96,9 @@ class VocabCost(Frozen):
 
 
 HOST_FIT_FIELDS = ("layer_overhead_s", "pass_overhead_s", "decode_token_overhead_s", "train_layer_overhead_s",
-                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "sharded_unit_overhead_s", "zero1_step_overhead_s",
-                   "tensor_parallel_layer_overhead_s", "elementwise_bandwidth", "backward_elementwise_bandwidth")
+                   "train_pass_overhead_s", "data_parallel_layer_overhead_s", "sharded_unit_overhead_s",
+                   "zero1_step_overhead_s", "sharded_forward_unit_overhead_s", "tensor_parallel_layer_overhead_s",
+                   "elementwise_bandwidth", "backward_elementwise_bandwidth")
 
 
 class HostFit(Frozen):
@@ -120,6 +121,8 @@ class HostFit(Frozen):
                                                             "micro-batch of a rank whose state FSDP2 shards.")
     zero1_step_overhead_s: Real = Field(default=0.0, ge=0, description="Further host seconds per optimizer step of "
                                                                       "a ZeRO-1 rank.")
+    sharded_forward_unit_overhead_s: Real = Field(default=0.0, ge=0, description="Further host seconds per FSDP2 "
+                                                  "unit per forward micro-batch of a rank whose weights FSDP2 shards.")
     tensor_parallel_layer_overhead_s: Real = Field(ge=0, description="Extra host seconds per layer per forward "
                                                                      "pass of a tensor-parallel rank.")
     elementwise_bandwidth: Real = Field(ge=0, description="Bytes/s of a forward's elementwise kernels.")
@@ -235,6 +238,13 @@ class HardwareSpec(Frozen):
         default=(),
         description="Host figures fitted to the models of the jobs calibrated (`graphrl calibrate JOB`), by model "
                     "width and threads; see `for_rank`.",
+    )
+    sharded_forward_unit_overhead_s: Real = Field(
+        default=0.0, ge=0,
+        description="Further host time per FSDP2 unit per forward-only micro-batch (log-probs, values, rewards) of a "
+                    "rank whose weights FSDP2 shards (a frozen model beside a data-parallel trainer, or a zero2/fsdp "
+                    "trainer's own forward): its gathers' hooks and waits beyond the modelled collective, seconds. "
+                    "Fitted by `graphrl calibrate` from a side-by-side probe of a sharded frozen model.",
     )
     zero1_step_overhead_s: Real = Field(
         default=0.0, ge=0,

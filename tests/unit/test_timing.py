@@ -535,8 +535,17 @@ def test_forward_time_communication() -> None:
     # The trained model's own forward: one unit, embedding and head with it (smaller than one unit).
     own = timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, fsdp=2, microbatches=1, trained=True)
     assert own.comm_s == pytest.approx(1.2792e-6)
-    # dp alone gathers nothing.
+    # dp alone gathers nothing; nor does a trainer's own forward under DDP on an fsdp axis (not sharded),
+    # while a frozen model sharded over data-parallel ranks does, and pays FSDP2's host time per unit.
     assert timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, dp=2, microbatches=1).comm_s == 0.0
+    ddp = timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, fsdp=2, microbatches=1, sharded=False)
+    assert ddp.comm_s == 0.0
+    frozen = timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, dp=2, microbatches=1, sharded=True)
+    assert frozen.comm_s == pytest.approx(2.2792e-6)
+    hooks = TOY_HW.model_copy(update=dict(sharded_forward_unit_overhead_s=1e-3))
+    assert (timing.forward_time(TOY, tokens=20, seq_len=10, hw=hooks, dp=2, microbatches=2, sharded=True).total_s
+            - timing.forward_time(TOY, tokens=20, seq_len=10, hw=TOY_HW, dp=2, microbatches=2, sharded=True).total_s
+            == pytest.approx(2 * 2 * 1e-3))  # 2 micro-batches x 2 units (a frozen model's layers)
     # tp 2: 2 all-reduces per layer of 10 * 8 * 2 = 160 bytes: 4 * (160 / 1e10 + 2e-6), on the critical path.
     split = timing.forward_time(TOY, tokens=10, seq_len=10, hw=TOY_HW, tp=2, microbatches=1)
     assert split.comm_s == split.exposed_comm_s == pytest.approx(4 * 2.016e-6)
