@@ -18,10 +18,11 @@ see the same machine load. Reported per kind:
 Measured on the project's 2-core CPU machine (medians of best of 3 rounds, 12 steps, nothing else
 running), 2 ranks: ledger/plan 1.000 (none, zero2, fsdp), 1.003 (zero1: the shares are whole tensors),
 1.002 (tp); the base held 1.600x its plan for zero1, 1.778x for zero2, 0.802x for fsdp. Step time
-new/base: none 1.00, zero1 1.14, zero2 1.22, fsdp 0.70, tp 1.08. zero2 and fsdp gather and reduce
-through FSDP2 where the base ran zero2 as DDP; a model smaller than one FSDP2 unit (`FSDP_UNIT_BYTES`)
-is one unit, and the colocated generator's copy is gathered a unit at a time (it was a collective per
-tensor: zero2 read 1.95 and fsdp 1.0 before that).
+new/base in three runs: none 0.98-1.10, zero1 1.06-1.14, zero2 1.20-1.28, fsdp 0.61-0.70, tp 1.00-1.08
+(the machine moves single ratios by up to 10%). zero2 and fsdp gather and reduce through FSDP2 where the
+base ran zero2 as DDP; a model smaller than one FSDP2 unit (`FSDP_UNIT_BYTES`) is one unit, and the
+colocated generator's copy is gathered a unit at a time (it was a collective per tensor: zero2 read
+1.95 before that).
 """
 
 from __future__ import annotations
