@@ -82,24 +82,29 @@ def param_tensor_count(dims: ModelDims) -> int:
     return len(LLAMA_LAYER) * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
 
 
-def fsdp_unit_layers(dims: ModelDims, layer_bytes: float, pp: int = 1) -> int:
-    """Decoder layers in the largest FSDP2 unit of one pipeline stage (`fsdp_layer_units`), `layer_bytes`
-    a layer's bytes on one rank before sharding; all the stage's layers when they make a single unit."""
+def _stage_units(dims: ModelDims, tp: int, pp: int, dtype_bytes: float) -> tuple[int, list[range]]:
+    """(layers of one pipeline stage, their FSDP2 units), a layer holding layer_params / tp weights of
+    `dtype_bytes` on one rank before sharding."""
     per_stage = max(1, math.ceil(dims.num_layers / pp))
-    units = fsdp_layer_units(per_stage, layer_bytes)
+    return per_stage, fsdp_layer_units(per_stage, layer_params(dims) / tp * dtype_bytes)
+
+
+def fsdp_unit_layers(dims: ModelDims, *, tp: int, dtype_bytes: float, pp: int = 1) -> int:
+    """Decoder layers in the largest FSDP2 unit of one pipeline stage (`fsdp_layer_units`); all the
+    stage's layers when they make a single unit."""
+    per_stage, units = _stage_units(dims, tp, pp, dtype_bytes)
     return len(units[0]) if units else per_stage
 
 
-def fsdp_units(dims: ModelDims, layer_bytes: float, pp: int = 1, *, trained: bool = True) -> int:
+def fsdp_units(dims: ModelDims, *, tp: int, dtype_bytes: float, pp: int = 1, trained: bool = True) -> int:
     """Units that FSDP2 gathers and reduces one at a time on one pipeline stage, as the executors wrap
     them: a trained model's units of decoder layers (`fsdp_layer_units`) plus its root (embedding, final
     norm, head), or a single unit where the layers make one; a frozen model's layers one by one (each is
     its own FSDP2 root, `executors.parallel.shard_frozen`)."""
-    per_stage = max(1, math.ceil(dims.num_layers / pp))
+    per_stage, units = _stage_units(dims, tp, pp, dtype_bytes)
     if not trained:
         return per_stage
-    units = len(fsdp_layer_units(per_stage, layer_bytes))
-    return units + 1 if units else 1
+    return len(units) + 1 if units else 1
 
 
 # DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
@@ -320,7 +325,7 @@ def training_memory(
     mixed = compute_bytes < FP32_BYTES
     master = FP32_BYTES if mixed else 0  # an fp32 copy of the weights beside the compute-dtype ones
     layer_bytes = layer_params(dims) / tp * compute_bytes
-    unit_bytes = fsdp_unit_layers(dims, layer_bytes, pp) * layer_bytes
+    unit_bytes = fsdp_unit_layers(dims, tp=tp, dtype_bytes=compute_bytes, pp=pp) * layer_bytes
     whole = unit_bytes >= dims.num_layers / pp * layer_bytes  # one unit: the model with its root
     gathered_weights = gathered_grads = 0.0
     weights = params_per_device * compute_bytes

@@ -245,7 +245,7 @@ def _fill_in_place(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, flo
     spans = p.spans(0, p.num_devices)
     if train.tp == gen.tp == 1:  # whole weights, gathered an FSDP2 unit at a time (`full_weights`)
         held = cost.weight_bytes(role.dims, role.weight_bytes)
-        units = cost.fsdp_units(role.dims, cost.layer_params(role.dims) * role.weight_bytes)
+        units = cost.fsdp_units(role.dims, tp=1, dtype_bytes=role.weight_bytes)
         return timing.chunked_collective_time("all_gather", held, units, group, p.hw, spans), held * gen.dp
     if train.tp == 1 and train.dp == 1 and train.sharding == "fsdp" and train.fsdp == gen.tp == gen.n:
         shard_bytes, tensors = unaligned_tp_shards(role.dims, gen.tp)
@@ -315,8 +315,8 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
                            f"generator weights ({gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB) "
                            f"beside {resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
         staging = gen_sync_staging(p.generator, gen.tp, gen.precision, colocated=True)
-        if staging and resident + gen_weights(p.generator, gen.tp, gen.precision) + staging > p.usable:
-            need = resident + gen_weights(p.generator, gen.tp, gen.precision) + staging
+        need = resident + gen_weights(p.generator, gen.tp, gen.precision) + staging
+        if staging and need > p.usable:
             return _reject(ev, p.generator.name, need, p.usable,
                            f"the fp8 generator's weight sync stages {staging / GB:.1f} GB per device beside its "
                            f"weights and {resident / GB:.1f} GB of trainer state")

@@ -39,7 +39,7 @@ from graphrl.schemas.sharding import LLAMA_LAYER, TpStyle
 from graphrl.compiler.lengths import Lengths
 from graphrl.compiler.cost import (BF16_BYTES, DDP_BUCKET_BYTES, FP32_BYTES, SHARDINGS, Precision, Sharding,
                                    UnsupportedPrecisionError, fp8_dequantizes, fsdp_units, kv_shards,
-                                   layer_params, param_count, param_tensor_count, weight_bytes)
+                                   param_count, param_tensor_count, weight_bytes)
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p"]
 
@@ -519,7 +519,7 @@ class StepCost:
 
 
 def _data_parallel_comm(
-    dims: ModelDims, sharding: str, d: int, tp: int, pp: int, hw: HardwareSpec, spans_nodes: bool, dtype_bytes: float
+    dims: ModelDims, sharding: str, d: int, tp: int, pp: int, hw: HardwareSpec, spans_nodes: bool, units: int
 ) -> tuple[float, float]:
     """Per-step data-parallel collectives of a training role: (overlappable_s, not_overlappable_s).
 
@@ -529,7 +529,7 @@ def _data_parallel_comm(
       zero1 (DDP + ZeroRedundancyOptimizer): the same all-reduce, then every rank's updated share of
         the weights is broadcast to the others after the optimizer step (an all-gather, not overlapped);
       zero2 (FSDP2, weights kept from forward through backward): all-gather the weights once, unit by
-        unit in forward (`fsdp_units`), and reduce-scatter grads during backward;
+        unit in forward (`units`, as `fsdp_units` counts them), and reduce-scatter grads during backward;
       fsdp: all-gather weights for forward and again for backward (resharded after forward), and
         reduce-scatter grads, all prefetched unit by unit.
     """
@@ -542,7 +542,6 @@ def _data_parallel_comm(
         return all_reduce, 0.0
     if sharding == "zero1":
         return all_reduce, chunked_collective_time("all_gather", buffer, buckets, d, hw, spans_nodes)
-    units = fsdp_units(dims, layer_params(dims) / tp * dtype_bytes, pp)
     gather = chunked_collective_time("all_gather", buffer, units, d, hw, spans_nodes)
     scatter = chunked_collective_time("reduce_scatter", buffer, units, d, hw, spans_nodes)
     if sharding == "fsdp":
@@ -654,10 +653,10 @@ def training_step_time(
         tp_comm = calls_per_layer * layers_per_stage * m * per_call
     pp_comm = _pipeline_p2p(dims, tokens_per_micro_batch, tp, pp, m, 2, hw, pp_spans_nodes)
 
-    overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes, dtype_bytes)
+    units = fsdp_units(dims, tp=tp, dtype_bytes=dtype_bytes, pp=pp)
+    overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes, units)
     if d > 1:  # the update's own all-reduces: the batch's token counts, and the micro-batch count
         not_overlappable += (1 + (m > 1)) * collective_time("all_reduce", UPDATE_COUNTS_BYTES, d, hw, dp_spans_nodes)
-    units = fsdp_units(dims, layer_params(dims) / tp * dtype_bytes, pp)
     if sharding in ("fsdp", "zero2"):  # the first gather and the last reduction are one unit's
         window, pieces = compute, float(units)
     else:
@@ -731,7 +730,7 @@ def forward_time(
     pp_comm = _pipeline_p2p(dims, tokens_per_micro_batch, tp, pp, m, 1, hw, pp_spans_nodes)
 
     gather = 0.0
-    units = fsdp_units(dims, layer_params(dims) / tp * dtype_bytes, pp, trained=trained)
+    units = fsdp_units(dims, tp=tp, dtype_bytes=dtype_bytes, pp=pp, trained=trained)
     sharded = (fsdp > 1 if sharded is None else sharded) and d > 1
     if sharded:
         buffer = param_count(dims) / (tp * pp) * BF16_BYTES

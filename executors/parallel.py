@@ -379,9 +379,9 @@ def full_weights(model: nn.Module, wrapper: nn.Module | None = None) -> Iterator
     units = [m for m in (wrapper if wrapper is not None else model).modules() if isinstance(m, FSDPModule)]
     done: set[str] = set()
 
-    def whole_now() -> Iterator[tuple[str, Tensor]]:
+    def whole(gathered_only: bool) -> Iterator[tuple[str, Tensor]]:
         for name, p in model.named_parameters():
-            if name not in done and (not units or p is not sharded[name]):
+            if name not in done and not (gathered_only and p is sharded[name]):
                 done.add(name)
                 yield name, _full(p)
 
@@ -390,10 +390,9 @@ def full_weights(model: nn.Module, wrapper: nn.Module | None = None) -> Iterator
         if pending is not None:
             pending.wait()
         pending = units[i + 1].unshard(async_op=True) if i + 1 < len(units) else None
-        yield from whole_now()
+        yield from whole(gathered_only=True)
         unit.reshard()
-    units = []  # what no unit manages, gathered tensor by tensor
-    yield from whole_now()
+    yield from whole(gathered_only=False)  # what no unit manages, gathered tensor by tensor
 
 
 def copy_full_weights(dst: nn.Module, src: nn.Module, wrapper: nn.Module | None = None) -> None:

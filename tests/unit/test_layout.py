@@ -282,8 +282,8 @@ def test_the_executors_wrap_the_units_the_compiler_charges(hidden, layers, dtype
         model = Llama(dims).to(dtype)
     for tp in (1, 2):
         units = layer_units(model.model.layers, tp=tp)
-        layer_bytes = cost.layer_params(dims) / tp * (2 if dtype == torch.bfloat16 else 4)
-        assert cost.fsdp_units(dims, layer_bytes) == (len(units) + 1 if units else 1)
-        assert cost.fsdp_units(dims, layer_bytes, trained=False) == layers  # a frozen model's: layer by layer
-        assert cost.fsdp_unit_layers(dims, layer_bytes) == (len(units[0]) if units else layers)
+        size = dict(tp=tp, dtype_bytes=2 if dtype == torch.bfloat16 else 4)
+        assert cost.fsdp_units(dims, **size) == (len(units) + 1 if units else 1)
+        assert cost.fsdp_units(dims, **size, trained=False) == layers  # a frozen model's: layer by layer
+        assert cost.fsdp_unit_layers(dims, **size) == (len(units[0]) if units else layers)
         assert [m for unit in units for m in unit] in ([], list(model.model.layers))
