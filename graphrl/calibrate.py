@@ -321,8 +321,12 @@ def probe_model_code(
         uniforms = torch.rand(batch, response_len, generator=torch.Generator().manual_seed(0))
 
         model.eval()
-        out = _probe_generate(model, prompt_ids, prompt_mask, uniforms)
-        t_gen = _typical_time(lambda: _probe_generate(model, prompt_ids, prompt_mask, uniforms), repeat=5)
+
+        def generate() -> Any:
+            return _probe_generate(model, prompt_ids, prompt_mask, uniforms)
+
+        out = generate()
+        t_gen = _typical_time(generate, repeat=5)
         train = _probe_update(role, prompt_ids, prompt_mask, out, torch.randn(batch, response_len), group)
 
         def forward() -> None:
@@ -333,8 +337,7 @@ def probe_model_code(
         t_fwd = _typical_time(forward, repeat=5)
         t_train = _typical_time(train, repeat=5)
         # A run calls each phase once per step between the others, on caches the others have just used.
-        cold = _interleaved_times({"generate": lambda: _probe_generate(model, prompt_ids, prompt_mask, uniforms),
-                                   "forward": forward, "train": train})
+        cold = _interleaved_times({"generate": generate, "forward": forward, "train": train})
         t_gen, t_fwd, t_train = max(t_gen, cold["generate"]), max(t_fwd, cold["forward"]), max(t_train, cold["train"])
         for phase, seconds in (("generate", t_gen), ("forward", t_fwd), ("train", t_train)):
             probes.append(Probe(phase, d, batch, prompt_len, response_len, seconds, dtype_bytes,  # type: ignore[arg-type]

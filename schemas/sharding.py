@@ -389,8 +389,8 @@ def fsdp_layer_units(num_layers: int, layer_bytes: float) -> list[range]:
     """The decoder layers of each FSDP2 unit (of one pipeline stage's `num_layers`, `layer_bytes` each on
     one rank before sharding): consecutive, each the fewest layers that reach `FSDP_UNIT_BYTES` (a layer at
     least that large is a unit of its own, the last unit may be smaller). Empty when every layer fits in
-    one unit: the model is then a single unit with its embedding and head (a trainer's root), or its
-    layers are one unit (a frozen model's).
+    one unit: a trained model is then a single unit with its embedding and head (its root). A frozen
+    model's layers stay units of their own whatever their size (each is an FSDP2 root).
     The compiler's memory and collectives and the executors' `fully_shard` calls both read this."""
     per_unit = max(1, math.ceil(FSDP_UNIT_BYTES / layer_bytes)) if layer_bytes > 0 else num_layers
     if per_unit >= num_layers:
