@@ -53,6 +53,7 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
               resume_from: str | None, local_rank: int | None = None, profile: ProfileSettings | None = None) -> None:
     """Entry point of one rank (a spawned process or a torchrun worker). Writes its error on failure."""
     from graphrl.executors.executor import run_rank
+    from graphrl.executors.host_memory import keep_freed_host_memory
     from graphrl.executors.outputs import load_checkpoint
     from graphrl.executors.runtime import Runtime
 
@@ -64,6 +65,8 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
         plan = load_plan(plan_path, check=False)  # the launcher checked it once, before any rank started
         assert plan.programs is not None
         runtime = Runtime.init(rank, world_size, plan.job.run.device, plan.programs.groups, local_rank)
+        if runtime.device.type == "cpu":  # before the rank's first large tensor
+            keep_freed_host_memory()
         resume_state = load_checkpoint(Path(resume_from), weights=False) if resume_from else None
         run_rank(plan, runtime, out, start_step=start_step, resume_state=resume_state, profile=profile)
         if world_size > 1:

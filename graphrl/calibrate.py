@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from graphrl.compiler import timing
 from graphrl.compiler.cost import param_count
 from graphrl.engine_support import engine_available
+from graphrl.executors.host_memory import keep_freed_host_memory
 from graphrl.schemas.hardware import (HARDWARE_PRESETS, CollectiveFit, EngineThroughput, HardwareSpec, HostFit,
                                       HOST_FIT_FIELDS, MatmulFit, MeasuredCollective, VocabCost)
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
@@ -517,6 +518,7 @@ class _Failure:
 
 def _worker(rank: int, world: int, port: int, measure: Callable[..., Any], args: tuple, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    keep_freed_host_memory()  # as a CPU rank does
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -771,6 +773,7 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
     """Measure this machine into a `cpu-local` description; `with_p2p=False` skips every multi-process
     measurement (point-to-point and collectives keep the preset's figures). With `jobs`, the matmul shapes
     of their models are measured in their dtype and threads, and their models' code is probed too."""
+    keep_freed_host_memory()  # the probes allocate as a CPU rank does
     base = HARDWARE_PRESETS["cpu-local"]
     targets = [job_models(j) for j in jobs]
     if with_p2p:  # first: the data-parallel probes below are predicted with the measured collectives
