@@ -49,9 +49,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_context() -> Any:
+    """How local ranks start: forked from a server process that has imported `RANK_PRELOAD` once (a rank
+    otherwise spends about 2 s importing torch and the executors before it does anything), where the
+    platform has a forkserver; spawned afresh elsewhere. The server is started once per launching process
+    and kept, so every later run's ranks start in milliseconds."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts; later calls change nothing
+    return ctx
+
+
+# What a rank imports before its first instruction (importing them starts no thread and touches no device,
+# so forking after it is safe).
+RANK_PRELOAD = ("torch", "torch.distributed", "graphrl.executors.executor", "graphrl.executors.launcher")
+
+
 def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_step: int, threads: int,
-              resume_from: str | None, local_rank: int | None = None, profile: ProfileSettings | None = None) -> None:
-    """Entry point of one rank (a spawned process or a torchrun worker). Writes its error on failure."""
+              resume_from: str | None, local_rank: int | None = None, profile: ProfileSettings | None = None,
+              env: dict[str, str] | None = None) -> None:
+    """Entry point of one rank (a forked or spawned process, or a torchrun worker). Writes its error on
+    failure. `env`: the launching process's environment, which a rank forked from the server would not
+    otherwise see (the server keeps the one of the moment it started; multiprocessing carries the working
+    directory and sys.path itself)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     from graphrl.executors.executor import run_rank
     from graphrl.executors.host_memory import keep_freed_host_memory
     from graphrl.executors.outputs import load_checkpoint
@@ -116,13 +140,14 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
     env_port = free_port()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(env_port)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     timeline = out_dir / "timeline"
     if timeline.exists():
         for f in timeline.glob("rank*.json"):
             f.unlink()
     procs = [ctx.Process(target=rank_main, args=(r, world, str(plan_path), str(out_dir), start_step, threads,
-                                                   str(resume_from) if resume_from else None, None, profile),
+                                                   str(resume_from) if resume_from else None, None, profile,
+                                                   dict(os.environ)),
                          daemon=False)
              for r in range(world)]
     started = time.perf_counter()
@@ -200,21 +225,25 @@ def _raise_terminated(signum: int, frame: Any) -> None:  # noqa: ARG001
 
 
 def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int, str]:
-    # Prefer the rank that wrote an error (the root cause) over ranks that died of its consequences.
+    """The root cause among the failed ranks: a rank killed by a signal (it could write nothing: the OOM
+    killer, a `kill`), else the rank that wrote its error first; its peers die of its consequences (their
+    collectives fail as soon as its process is gone, often before the launcher has seen it exit)."""
     time.sleep(0.2)
     for rank, proc in failed:
-        path = errors / f"rank{rank}.txt"
-        if path.exists():
-            return rank, path.read_text().splitlines()[0]
+        code = proc.exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            return rank, f"killed by signal {name}"
+    written = sorted(((path.stat().st_mtime_ns, int(path.stem.removeprefix("rank")), path)
+                      for path in errors.glob("rank*.txt")), key=lambda e: e[:2])
+    if written:
+        _, rank, path = written[0]
+        return rank, path.read_text().splitlines()[0]
     rank, proc = failed[0]
-    code = proc.exitcode
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
-        return rank, f"killed by signal {name}"
-    return rank, f"exited with code {code}"
+    return rank, f"exited with code {proc.exitcode}"
 
 
 def _end_all(procs: list[Any]) -> None:

@@ -24,7 +24,7 @@ from graphrl.executors import fp8
 from graphrl.executors.models.llama import Llama, LlamaCritic
 from graphrl.executors.parallel import (build_optimizer, shard_frozen, tensor_parallel_infer, trainer_mesh_groups,
                                         wrap_tensor_parallel_trainer, wrap_trainer)
-from graphrl.executors.runtime import COLLECTIVE_TIMEOUT_S, Runtime
+from graphrl.executors.runtime import Runtime, collective_timeout_s
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -157,7 +157,7 @@ def build_roles(plan: Plan, rt: Runtime) -> tuple[dict[str, RoleState], dict[str
     # before building its roles (None off the mesh).
     for p in plan.chosen.placements:
         if p.kind != "generate" and p.tp > 1 and p.pp == 1 and p.mesh not in b.mesh_groups:
-            b.mesh_groups[p.mesh] = trainer_mesh_groups(tuple(b.mesh(p).devices), p.tp, rt.rank, COLLECTIVE_TIMEOUT_S)
+            b.mesh_groups[p.mesh] = trainer_mesh_groups(tuple(b.mesh(p).devices), p.tp, rt.rank, collective_timeout_s())
     for p in plan.chosen.placements:
         if rt.rank not in b.mesh(p).devices:
             continue

@@ -16,8 +16,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 
-# A peer that dies must not leave the others blocked for gloo's default 30 minutes.
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("GRAPHRL_COLLECTIVE_TIMEOUT_S", "60"))
+def collective_timeout_s() -> float:
+    """Seconds a collective waits for its peers before it fails (`GRAPHRL_COLLECTIVE_TIMEOUT_S`, default 60):
+    a peer that dies must not leave the others blocked for gloo's default 30 minutes. Read when a group is
+    made, not at import: a rank forked from a server that imported this module earlier sees its own run's
+    setting."""
+    return float(os.environ.get("GRAPHRL_COLLECTIVE_TIMEOUT_S", "60"))
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -43,7 +47,7 @@ class Runtime:
             for name in sorted(groups):
                 members = list(groups[name])
                 if len(members) > 1:
-                    group = dist.new_group(members, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                    group = dist.new_group(members, timeout=timedelta(seconds=collective_timeout_s()))
                     if rank in members:
                         self._groups[name] = group
 
@@ -55,7 +59,7 @@ class Runtime:
             torch.cuda.set_device(device)
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                    timeout=timedelta(seconds=collective_timeout_s()))
         return cls(rank, world_size, device, groups)
 
     def group(self, name: str) -> Any:

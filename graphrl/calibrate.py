@@ -31,7 +31,6 @@ from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graphrl.compiler import timing
 from graphrl.compiler.cost import param_count
@@ -535,7 +534,9 @@ def _worker(rank: int, world: int, port: int, measure: Callable[..., Any], args:
 def _spawn(world: int, measure: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> Any:
     """Run `measure(rank, world, *args)` on `world` local gloo processes; rank 0's result. A rank's
     error ends the measurement at once, naming every rank that failed and why."""
-    ctx = mp.get_context("spawn")
+    from graphrl.executors.launcher import rank_context
+
+    ctx = rank_context()  # forked from the server that already imported torch, as a run's ranks are
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, measure, args, queue)) for r in range(world)]

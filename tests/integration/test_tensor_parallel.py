@@ -34,11 +34,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard
 
 from graphrl.compiler import weight_sync
 from graphrl.executors.models.llama import Llama, generate
+from graphrl.executors.launcher import rank_context
 from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
@@ -237,7 +237,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str | None, dict[int, tuple[str | None, dict]]]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, port, out)) for r in range(WORLD)]

@@ -24,13 +24,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graphrl.compiler import weight_sync
 from graphrl.ddma import DDMA_BUCKET_BYTES
 from graphrl.schemas.sharding import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.errors import RunError
 from graphrl.executors.models.llama import Llama
+from graphrl.executors.launcher import rank_context
 from graphrl.executors.weightsync import DIRECT_MIN_ELEMS, execute_weight_sync, run_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
 from graphrl.schemas.weightsync import WeightSyncRecord
@@ -188,7 +188,7 @@ def free_port() -> int:
 def spawn_world(world: int) -> dict[str | None, dict[int, tuple[str | None, int]]]:
     """Run every case of `world` ranks; {case name (None: the world itself) -> {rank -> (error, checked)}}."""
     plans = [(case, stored_plan(case)) for case in CASES if case.world == world]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, world, port, plans, out)) for r in range(world)]
