@@ -8,8 +8,10 @@ activations outgrow what the heap keeps (SmolLM2-135M, 16 x 120 tokens: 10.5 s a
 layers, 6.4 s with freed memory kept; 2.5 and 2.4 s at 10 layers).
 
 `keep_freed_host_memory` tells malloc to serve every allocation from its heap and never to trim it: freed
-blocks are reused by the next step's tensors of the same sizes, and the process's resident memory stays
-at its peak (the peak the plan charges). CPU ranks and the calibration probes that time them call it
+blocks are reused by the next step's tensors of the same sizes (after the first few steps, while freed
+neighbours merge into holes that fit an aligned block), and the process's resident memory stays at its
+peak, the peak the plan charges, plus the heap's slack (the SmolLM2 step above: 5.97 GB at its peak,
+5.92 GB without). CPU ranks and the calibration probes that time them call it
 first; CUDA ranks keep their tensors in the CUDA caching allocator and do not. `GRAPHRL_HOST_MEMORY=release`
 leaves malloc as it is (for a rank that shares its machine's memory with other work).
 """
