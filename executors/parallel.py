@@ -178,7 +178,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)  # fused: on the device
                     state["master"] = p.detach().to(torch.float32, copy=True)
                     state["exp_avg"] = torch.zeros_like(state["master"])
                     state["exp_avg_sq"] = torch.zeros_like(state["master"])
@@ -192,11 +192,22 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=beta1, beta2=beta2,
-                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                  fused=runs_fused(masters))
             del grads  # the float32 gradients live for the step only
             for p, master in zip(params, masters):
                 p.copy_(master)
         return loss
+
+
+def runs_fused(params: list[Tensor]) -> bool:
+    """Whether AdamW's fused kernel takes `params` in one call: all plain tensors, or all DTensors of one
+    1-D mesh (FSDP2 with tp 1). DTensor refuses a call that mixes them with plain tensors (a tp trainer's
+    replicated norms, the step counters beside a 2-D mesh's shards)."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    return meshes == {None} or (len(meshes) == 1 and next(iter(meshes)).ndim == 1)
 
 
 def build_optimizer(module: nn.Module, sharding: str, wrapping: str, group: Any, *, lr: float,
@@ -204,17 +215,22 @@ def build_optimizer(module: nn.Module, sharding: str, wrapping: str, group: Any,
     """The optimizer of a trained role, holding its state as the plan charges it: AdamW on a float32
     model, `MasterWeightAdamW` (float32 master weights and moments) on a bf16 one; with `zero1` over a
     DDP group, torch's `ZeroRedundancyOptimizer` around it, so each rank keeps the state of its share of
-    the parameters. Under FSDP2 the parameters are shards already, and so is the state."""
+    the parameters. Under FSDP2 the parameters are shards already, and so is the state.
+
+    AdamW runs fused (one kernel over every tensor) where it can (`runs_fused`): its foreach form launches
+    about ten ops, and on FSDP2's DTensor shards each pays DTensor's dispatch (a 2-rank zero2 step of
+    grpo_tiny: 3.4 ms foreach, 0.7 ms fused; 1.1 and 0.3 ms on plain tensors)."""
     params = [p for p in module.parameters() if p.requires_grad]
     mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     optimizer_class: type[torch.optim.Optimizer] = MasterWeightAdamW if mixed else torch.optim.AdamW
+    fused = {} if mixed else {"fused": runs_fused(params)}  # MasterWeightAdamW decides for itself
     if sharding == "zero1" and wrapping == "ddp":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group,
                                        parameters_as_bucket_view=True, lr=lr,
-                                       betas=betas, weight_decay=weight_decay)
-    return optimizer_class(params, lr=lr, betas=betas, weight_decay=weight_decay)
+                                       betas=betas, weight_decay=weight_decay, **fused)
+    return optimizer_class(params, lr=lr, betas=betas, weight_decay=weight_decay, **fused)
 
 
 def layer_units(layers: nn.ModuleList, *, tp: int) -> list[list[nn.Module]]:
@@ -332,13 +348,18 @@ def shard_frozen(model: nn.Module, mesh: Any) -> None:
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     """`torch.nn.utils.clip_grad_norm_` that also takes gradients on several device meshes (an fsdp x tp
     trainer: tp-sharded weights live on the 2-D mesh, norms on its fsdp dimension only): the norm is
-    computed per mesh, made whole, and combined. The total 2-norm before clipping."""
+    computed per mesh, made whole, and combined. Gradients that are all shards on one 1-D mesh (FSDP2
+    with tp 1) are clipped on their local tensors, with one all-reduce of the squared norm: the same
+    result without DTensor's dispatch per op (1.8 against 0.4 ms a step of grpo_tiny on 2 ranks). The
+    total 2-norm before clipping."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
     by_mesh: dict[Any, list[Tensor]] = {}
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    if len(by_mesh) == 1 and _shards_of_one_mesh(grads):
+        return _clip_local_shards(grads, max_norm)
     if len(by_mesh) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -350,6 +371,27 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     coef = min(max_norm / (total + 1e-6), 1.0)
     for group in by_mesh.values():
         torch._foreach_mul_(group, coef)
+    return total
+
+
+def _shards_of_one_mesh(grads: list[Tensor]) -> bool:
+    """Every gradient a DTensor sharded (no replica, no partial sum) over the same 1-D mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return bool(grads) and all(isinstance(g, DTensor) and g.device_mesh.ndim == 1 and isinstance(g.placements[0], Shard)
+                               for g in grads)
+
+
+@torch.no_grad()
+def _clip_local_shards(grads: list[Tensor], max_norm: float) -> float:
+    """Clip DTensor shards of one 1-D mesh in place: each rank's sum of squares over its local shards,
+    summed over the mesh, is the square of the whole gradient's norm."""
+    local = [g.to_local() for g in grads]
+    squares = torch.stack(torch._foreach_norm(local)).double().square().sum()
+    dist.all_reduce(squares, group=grads[0].device_mesh.get_group())  # type: ignore[attr-defined]
+    total = float(squares.sqrt())
+    coef = min(max_norm / (total + 1e-6), 1.0)
+    torch._foreach_mul_(local, coef)
     return total
 
 
