@@ -699,17 +699,20 @@ MAX_MEASURED_OPTIMIZER_PARAMS = 64_000_000
 
 def measure_optimizer(params: int, threads: int) -> float:
     """Seconds per parameter of gradient-norm clipping and an AdamW step over `params` float32
-    parameters in eight tensors, with `threads` torch threads."""
+    parameters in eight tensors, with `threads` torch threads, as the executor builds and runs them."""
+    from graphrl.executors.parallel import build_optimizer, clip_grad_norm
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         tensors = [torch.nn.Parameter(torch.randn(max(1, params // 8))) for _ in range(8)]
         for t in tensors:
             t.grad = torch.randn_like(t)
-        optimizer = torch.optim.AdamW(tensors, lr=1e-4)
+        optimizer = build_optimizer(torch.nn.ParameterList(tensors), "none", "local", None, lr=1e-4,
+                                    betas=(0.9, 0.999), weight_decay=0.0)  # the executor's own optimizer
 
         def step() -> None:
-            torch.nn.utils.clip_grad_norm_(tensors, 1.0)
+            clip_grad_norm(tensors, 1.0)
             optimizer.step()
 
         return _best_time(step, repeat=3, min_time_s=0.05) / (8 * max(1, params // 8))
