@@ -49,6 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a rank imports before its first instruction (importing them starts no thread and touches no device,
+# so forking after it is safe).
+RANK_PRELOAD = ("torch", "torch.distributed", "graphrl.executors.executor", "graphrl.executors.launcher")
+
+
 def rank_context() -> Any:
     """How local ranks start: forked from a server process that has imported `RANK_PRELOAD` once (a rank
     otherwise spends about 2 s importing torch and the executors before it does anything), where the
@@ -59,11 +64,6 @@ def rank_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts; later calls change nothing
     return ctx
-
-
-# What a rank imports before its first instruction (importing them starts no thread and touches no device,
-# so forking after it is safe).
-RANK_PRELOAD = ("torch", "torch.distributed", "graphrl.executors.executor", "graphrl.executors.launcher")
 
 
 def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_step: int, threads: int,
@@ -237,10 +237,9 @@ def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int,
             except ValueError:
                 name = str(-code)
             return rank, f"killed by signal {name}"
-    written = sorted(((path.stat().st_mtime_ns, int(path.stem.removeprefix("rank")), path)
-                      for path in errors.glob("rank*.txt")), key=lambda e: e[:2])
+    written = [(path.stat().st_mtime_ns, int(path.stem.removeprefix("rank")), path) for path in errors.glob("rank*.txt")]
     if written:
-        _, rank, path = written[0]
+        _, rank, path = min(written, key=lambda e: e[:2])
         return rank, path.read_text().splitlines()[0]
     rank, proc = failed[0]
     return rank, f"exited with code {proc.exitcode}"

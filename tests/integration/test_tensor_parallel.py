@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -38,7 +37,7 @@ from torch.distributed.tensor import Shard
 
 from graphrl.compiler import weight_sync
 from graphrl.executors.models.llama import Llama, generate
-from graphrl.executors.launcher import rank_context
+from graphrl.executors.launcher import free_port, rank_context
 from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
@@ -227,12 +226,6 @@ def rank_main(rank: int, port: int, out: Any) -> None:
             out.put((rank, None, traceback.format_exc(), {}))
             return
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from graphrl.ddma import DDMA_BUCKET_BYTES
 from graphrl.schemas.sharding import Mesh, llama_params, shard_bounds, to_slices
 from graphrl.errors import RunError
 from graphrl.executors.models.llama import Llama
-from graphrl.executors.launcher import rank_context
+from graphrl.executors.launcher import free_port, rank_context
 from graphrl.executors.weightsync import DIRECT_MIN_ELEMS, execute_weight_sync, run_weight_sync
 from graphrl.schemas.hardware import HARDWARE_PRESETS
 from graphrl.schemas.weightsync import WeightSyncRecord
@@ -177,12 +176,6 @@ def rank_main(rank: int, world: int, port: int, plans: list[tuple[Case, dict[str
             out.put((rank, None, traceback.format_exc(), 0))
             return
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_world(world: int) -> dict[str | None, dict[int, tuple[str | None, int]]]:
