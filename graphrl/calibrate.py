@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue as queue_module
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -320,29 +319,39 @@ def probe_model_code(
         prompt_mask = torch.ones(batch, prompt_len, dtype=torch.bool)
         uniforms = torch.rand(batch, response_len, generator=torch.Generator().manual_seed(0))
 
-        model.eval()
-
-        def generate() -> Any:
-            return _probe_generate(model, prompt_ids, prompt_mask, uniforms)
-
-        out = generate()
-        t_gen = _typical_time(generate, repeat=5)
+        out = _probe_generate(model, prompt_ids, prompt_mask, uniforms)
         train = _probe_update(role, prompt_ids, prompt_mask, out, torch.randn(batch, response_len), group)
+
+        def generate() -> None:
+            _probe_generate(model, prompt_ids, prompt_mask, uniforms)
 
         def forward() -> None:
             with torch.no_grad():
                 token_logprobs_and_entropy(model, prompt_ids, prompt_mask, out.response_ids, out.response_mask)
 
-        model.train()
-        t_fwd = _typical_time(forward, repeat=5)
-        t_train = _typical_time(train, repeat=5)
-        # A run calls each phase once per step between the others, on caches the others have just used.
-        cold = _interleaved_times({"generate": generate, "forward": forward, "train": train})
-        t_gen, t_fwd, t_train = max(t_gen, cold["generate"]), max(t_fwd, cold["forward"]), max(t_train, cold["train"])
-        for phase, seconds in (("generate", t_gen), ("forward", t_fwd), ("train", t_train)):
+        times = _phase_times({"generate": generate, "forward": forward, "train": train})
+        for phase, seconds in times.items():
             probes.append(Probe(phase, d, batch, prompt_len, response_len, seconds, dtype_bytes,  # type: ignore[arg-type]
                                 torch.get_num_threads(), dist.get_world_size() if group is not None else 1))
     return probes
+
+
+# A probe call at least this long is timed only in the rounds that call the phases in turn: a loop of its
+# own would add minutes to a large model's calibration and tell nothing more (its median is the lower one).
+LONG_CALL_S = 0.5
+
+
+def _phase_times(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Seconds per call of each phase: the slower of a loop of its own (calls of the same phase back to
+    back) and rounds that call the phases in turn, as a run calls each once per step between the others, on
+    caches the others have just used. Every process of a gloo group times the same calls."""
+    first = torch.tensor([_timed_once(fn) for fn in calls.values()])  # warm-up, and which calls are long
+    if dist.is_initialized():  # every process decides alike: a probe's calls may run collectives
+        dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    loops = {name: _typical_time(fn, repeat=5) for (name, fn), t in zip(calls.items(), first.tolist())
+             if t < LONG_CALL_S}
+    cold = _interleaved_times(calls)
+    return {name: max(loops.get(name, 0.0), cold[name]) for name in calls}
 
 
 @dataclass(frozen=True)
@@ -453,12 +462,6 @@ def instruction_overhead(batch: int = 128, prompt_len: int = 6, response_len: in
 # Communication between local processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _timed(op: Callable[[], Any], repeats: int) -> float:
     """Median seconds of `op` on this rank, each call started together after a barrier."""
     times = []
@@ -534,11 +537,11 @@ def _worker(rank: int, world: int, port: int, measure: Callable[..., Any], args:
 def _spawn(world: int, measure: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> Any:
     """Run `measure(rank, world, *args)` on `world` local gloo processes; rank 0's result. A rank's
     error ends the measurement at once, naming every rank that failed and why."""
-    from graphrl.executors.launcher import rank_context
+    from graphrl.executors.launcher import free_port, rank_context
 
     ctx = rank_context()  # forked from the server that already imported torch, as a run's ranks are
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, measure, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
@@ -721,8 +724,16 @@ def measure_optimizer(params: int, threads: int) -> float:
 
 
 # The job probes: the job's own per-rank batch (and a quarter of it) and lengths, at two depths (the
-# per-layer time is their difference).
-JOB_PROBE_LAYERS = (1, 3)
+# per-layer time is their difference): its own depth up to this many layers, and half of that. A layer
+# measured in a one- to three-layer model costs more than one deep in the stack (SmolLM2 generating 64
+# sequences: 0.46 s a layer between 1 and 3 layers, 0.37 s between 3 and 6, 0.41 s from 10 to 30).
+JOB_PROBE_MAX_LAYERS = 6
+
+
+def job_probe_layers(num_layers: int) -> tuple[int, ...]:
+    """The depths a job's model of `num_layers` layers is probed at (one, for a one-layer model)."""
+    deepest = min(num_layers, JOB_PROBE_MAX_LAYERS)
+    return tuple(sorted({max(1, deepest // 2), deepest}))
 
 
 def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
@@ -755,9 +766,10 @@ def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
                 # Side by side on as many processes as the job's ranks that share this machine's cores, as its
                 # ranks compute (each is slower than alone: shared caches and memory bandwidth).
                 side_by_side = max(1, min(job.ranks, (os.cpu_count() or 1) // job.threads))
-                report(f"timing {job.name}'s model code at {JOB_PROBE_LAYERS} layers, {job.threads} thread(s), "
-                       f"{side_by_side} process(es) side by side...")
-                args = (dims, JOB_PROBE_LAYERS, tuple(sorted({max(1, job.batch // 4), job.batch})), job.prompt_len,
+                layers = job_probe_layers(dims.num_layers)
+                report(f"timing {job.name}'s model code at {' and '.join(map(str, layers))} layers, {job.threads} "
+                       f"thread(s), {side_by_side} process(es) side by side...")
+                args = (dims, layers, tuple(sorted({max(1, job.batch // 4), job.batch})), job.prompt_len,
                         job.response_len, dtype_bytes)
                 probes[-1] += (_spawn(side_by_side, _job_probe_times, job.threads, *args) if side_by_side > 1
                                else probe_model_code(*args))

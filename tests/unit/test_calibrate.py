@@ -16,11 +16,14 @@ from click.testing import CliRunner
 from graphrl.calibrate import (
     COLLECTIVES,
     HOST_FIELDS,
+    LONG_CALL_S,
     Probe,
+    _phase_times,
     _spawn,
     collective_fits,
     fit_collective,
     fit_host_model,
+    job_probe_layers,
     p2p_bandwidth_latency,
     predicted_probe_s,
     write_calibration,
@@ -264,3 +267,35 @@ def test_a_failing_measurement_process_is_reported_not_waited_for():
     now the parent ends at once and names the failing rank with its error."""
     with pytest.raises(RuntimeError, match="rank 1: RuntimeError: boom"):
         _spawn(2, _fail_on_rank_one, timeout_s=120)
+
+
+def test_a_job_model_is_probed_at_its_own_depth_up_to_six_layers():
+    """Two depths where the model has them, the deeper one the model's own depth up to six layers (a layer
+    deep in a stack costs less than one in a one-layer model), the shallower half of it."""
+    assert job_probe_layers(30) == (3, 6)
+    assert job_probe_layers(6) == (3, 6)
+    assert job_probe_layers(4) == (2, 4)
+    assert job_probe_layers(2) == (1, 2)
+    assert job_probe_layers(1) == (1,)
+
+
+def test_long_probe_calls_are_timed_only_in_rounds(monkeypatch):
+    """A phase whose first call takes LONG_CALL_S or more skips its loop of back-to-back calls; a short one
+    runs it. Every phase takes part in the rounds that call them in turn."""
+    import graphrl.calibrate as calibrate
+
+    first = {"long": LONG_CALL_S * 2, "short": LONG_CALL_S / 10}
+    monkeypatch.setattr(calibrate, "_timed_once", lambda fn: first[fn()])
+    calls = {"long": 0, "short": 0}
+
+    def phase(name):
+        def call():
+            calls[name] += 1
+            return name
+        return call
+
+    times = _phase_times({"long": phase("long"), "short": phase("short")})
+    assert set(times) == {"long", "short"} and all(t >= 0 for t in times.values())
+    rounds = 9
+    assert calls["long"] == 1 + rounds  # its warm-up, then the rounds only
+    assert calls["short"] > 1 + rounds + 5  # also its own loop: a warm-up, the loop's sizing, five timed loops
