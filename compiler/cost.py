@@ -217,10 +217,12 @@ class MemoryBreakdown:
     gathered: float = 0.0
     """Of `params` and `grads`: the unsharded copies a sharded role holds only while it computes
     (FSDP2's all-gathered weights and unreduced gradients); the rest is its resting state."""
+    engine_weights: float = 0.0
+    """A serving engine's own copy of a generator's weights, beside the role's module."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache + self.engine_weights
 
     @property
     def resting_state(self) -> float:
@@ -235,6 +237,7 @@ class MemoryBreakdown:
             "activations": self.activations,
             "kv_cache": self.kv_cache,
             "gathered": self.gathered,
+            "engine_weights": self.engine_weights,
             "total": self.total,
         }
 
@@ -248,6 +251,7 @@ class MemoryBreakdown:
             self.activations + other.activations,
             self.kv_cache + other.kv_cache,
             self.gathered + other.gathered,
+            self.engine_weights + other.engine_weights,
         )
 
     def __radd__(self, other: object) -> "MemoryBreakdown":

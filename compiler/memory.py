@@ -127,6 +127,23 @@ def gen_weights(role: Role, tp: int, precision: str) -> float:
     return cost.weight_bytes(role.dims, dtype_bytes) / tp
 
 
+def engine_weights(role: Role, tp: int, precision: str, engine: str) -> float:
+    """Bytes per device of a serving engine's own copy of the generator's weights. The role's module stays
+    beside it (the weight sync fills it, the engine reloads from it); the native sampler samples from the
+    module itself (none)."""
+    return 0.0 if engine == "native" else gen_weights(role, tp, precision)
+
+
+def engine_resident(role: Role, tp: int, precision: str, engine: str, kv_tokens: float) -> float:
+    """Bytes per device a serving engine keeps through every phase: its weights and its KV cache, which
+    it allocates once at start (none for the native sampler, whose cache lives for one generation). An
+    engine that could sleep (vLLM's sleep mode, CUDA only) would free them while others compute; the
+    executors do not put it to sleep, so they are charged in every phase."""
+    if engine == "native":
+        return 0.0
+    return engine_weights(role, tp, precision, engine) + kv_tokens * gen_kv_per_token(role, tp)
+
+
 def gen_sync_staging(role: Role, tp: int, precision: str, *, colocated: bool) -> float:
     """Bytes per device an fp8 generator holds beside its weights while a weight sync fills it: the block
     linears of its shard at the trainer's dtype (the wire's), received whole before they are quantized

@@ -42,8 +42,9 @@ from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
-from graphrl.compiler.memory import (MeshMemory, gen_kv_per_token, gen_per_sequence, gen_sync_staging, gen_weights,
-                                     infer_state, resident_while_generating, train_state, trainer_mesh_memory)
+from graphrl.compiler.memory import (MeshMemory, engine_resident, engine_weights, gen_kv_per_token, gen_per_sequence,
+                                     gen_sync_staging, gen_weights, infer_state, resident_while_generating,
+                                     train_state, trainer_mesh_memory)
 from graphrl.compiler.roles import Workload
 
 
@@ -78,7 +79,7 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTim
             return None
         free_bytes = hint.memory_fraction * p.hw.memory_bytes
     per_seq = gen_per_sequence(p, role, gen.tp)
-    room = free_bytes - gen_weights(role, gen.tp, gen.precision)
+    room = free_bytes - gen_weights(role, gen.tp, gen.precision) - engine_weights(role, gen.tp, gen.precision, engine)
     share = math.ceil(w.responses / gen.dp)
     if per_seq <= 0 or room < per_seq:
         return None
@@ -307,17 +308,26 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
                        f"trainer mesh needs {mem.peak / GB:.1f} GB per device, {p.usable / GB:.1f} GB usable")
     phases: dict[str, float] = {}
     if gen is not None:
+        g = p.generator
+        assert g is not None
+        engine = p.hint(g.name).engine or "native"
         resident = resident_while_generating(mem)
         res = generation_time(p, gen, p.usable - resident)
         if res is None:
-            need = resident + gen_weights(p.generator, gen.tp, gen.precision) + gen_per_sequence(p, p.generator, gen.tp)
-            return _reject(ev, p.generator.name, need, p.usable,
-                           f"generator weights ({gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB) "
-                           f"beside {resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
-        staging = gen_sync_staging(p.generator, gen.tp, gen.precision, colocated=True)
-        need = resident + gen_weights(p.generator, gen.tp, gen.precision) + staging
+            weights = gen_weights(g, gen.tp, gen.precision) + engine_weights(g, gen.tp, gen.precision, engine)
+            need = resident + weights + gen_per_sequence(p, g, gen.tp)
+            return _reject(ev, g.name, need, p.usable,
+                           f"generator weights ({weights / GB:.1f} GB{_with_engine_copy(engine)}) beside "
+                           f"{resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
+        kept = engine_resident(g, gen.tp, gen.precision, engine, res.kv_tokens)
+        if kept and mem.peak + kept > p.usable:
+            return _reject(ev, g.name, mem.peak + kept, p.usable,
+                           f"the {engine} engine keeps its weights and KV cache ({kept / GB:.1f} GB per device) "
+                           f"while the trainer's phases need {mem.peak / GB:.1f} GB (it is not put to sleep)")
+        staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=True)
+        need = resident + gen_weights(g, gen.tp, gen.precision) + staging + kept
         if staging and need > p.usable:
-            return _reject(ev, p.generator.name, need, p.usable,
+            return _reject(ev, g.name, need, p.usable,
                            f"the fp8 generator's weight sync stages {staging / GB:.1f} GB per device beside its "
                            f"weights and {resident / GB:.1f} GB of trainer state")
         phases["generate"] = res[0]
@@ -329,15 +339,24 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
     return ev
 
 
+def _with_engine_copy(engine: str) -> str:
+    return "" if engine == "native" else f", with the {engine} engine's own copy"
+
+
 def _gen_half(p: Problem, gen: GenCfg) -> tuple[float, str | None, float]:
     """(seconds, rejection reason, bytes needed) of a generator alone on its mesh."""
+    g = p.generator
+    assert g is not None
+    engine = p.hint(g.name).engine or "native"
     res = generation_time(p, gen, p.usable)
     if res is None:
-        need = gen_weights(p.generator, gen.tp, gen.precision) + gen_per_sequence(p, p.generator, gen.tp)
-        return math.inf, (f"generator weights {gen_weights(p.generator, gen.tp, gen.precision) / GB:.1f} GB per "
-                          f"device leave no room for the KV cache ({p.usable / GB:.1f} GB usable)"), need
-    staging = gen_sync_staging(p.generator, gen.tp, gen.precision, colocated=False)
-    need = gen_weights(p.generator, gen.tp, gen.precision) + staging
+        weights = gen_weights(g, gen.tp, gen.precision) + engine_weights(g, gen.tp, gen.precision, engine)
+        need = weights + gen_per_sequence(p, g, gen.tp)
+        return math.inf, (f"generator weights {weights / GB:.1f} GB per device{_with_engine_copy(engine)} leave no "
+                          f"room for the KV cache ({p.usable / GB:.1f} GB usable)"), need
+    staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False)
+    need = gen_weights(g, gen.tp, gen.precision) + staging + engine_resident(g, gen.tp, gen.precision, engine,
+                                                                            res.kv_tokens)
     if need > p.usable:
         return math.inf, (f"the fp8 generator's weight sync stages {staging / GB:.1f} GB per device beside its "
                           f"weights ({p.usable / GB:.1f} GB usable)"), need

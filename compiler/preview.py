@@ -57,7 +57,8 @@ def _layout_tables(layout: Layout, title: str) -> list[Table]:
             par += f" {p.sharding}"
         m = p.memory_bytes
         kind = f"{p.kind} on {p.engine}" if p.kind == "generate" else p.kind  # which engine each generator uses
-        roles.add_row(p.role, kind, p.mesh, par, p.precision, human_bytes(m.params), human_bytes(m.grads),
+        params = human_bytes(m.params) + (f" +{human_bytes(m.engine_weights)}" if m.engine_weights else "")
+        roles.add_row(p.role, kind, p.mesh, par, p.precision, params, human_bytes(m.grads),
                       human_bytes(m.optimizer), human_bytes(m.activations), human_bytes(m.kv_cache),
                       human_bytes(m.total), ",".join(p.offload) or "-")
 
@@ -75,7 +76,12 @@ def _layout_tables(layout: Layout, title: str) -> list[Table]:
         ops.add_column(col)
     for o in layout.operations:
         ops.add_row(o.kind, o.src, o.dst, human_bytes(o.num_bytes), human_seconds(o.time_s), o.detail)
-    return [meshes, roles, mem, ops] if layout.operations else [meshes, roles, mem]
+    engines = [Text(f"{p.role} on {p.engine}: params +{human_bytes(p.memory_bytes.engine_weights)} is the engine's own "
+                    "copy of the weights (beside the role's module, which weight syncs fill); the engine keeps it and "
+                    "its KV cache in every phase, the trainer's included: it is not put to sleep (vLLM's sleep mode is "
+                    "CUDA-only, and the executors do not use it)")
+               for p in layout.placements if p.memory_bytes.engine_weights]
+    return [meshes, roles, *engines, mem, *([ops] if layout.operations else [])]
 
 
 def _phase_table(plan: Plan) -> Table:

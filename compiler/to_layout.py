@@ -22,8 +22,8 @@ from graphrl.schemas.program import CostKey
 
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import Evaluated, Problem
-from graphrl.compiler.memory import (gen_kv_per_token, gen_sync_staging, gen_weights, resident_while_generating,
-                                     trainer_mesh_memory)
+from graphrl.compiler.memory import (engine_resident, engine_weights, gen_kv_per_token, gen_sync_staging, gen_weights,
+                                     resident_while_generating, trainer_mesh_memory)
 from graphrl.compiler.placement import (SearchResult, generation_time, reshard_in_place_time, role_times,
                                         rollout_transfer_time, weight_sync_time)
 from graphrl.compiler.roles import effective_mode
@@ -35,7 +35,7 @@ from graphrl.compiler.roles import effective_mode
 
 def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
     return MemoryBytes(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
-                       kv_cache=m.kv_cache, gathered=m.gathered)
+                       kv_cache=m.kv_cache, gathered=m.gathered, engine_weights=m.engine_weights)
 
 
 def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey, float]:
@@ -98,7 +98,9 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                                      batch=concurrent, context_len=p.workload.seq_len, generator=True)
         kv_tokens = res.kv_tokens if res else p.workload.seq_len
         gmem = replace(gmem, params=gen_weights(g, gen.tp, gen.precision),
-                       kv_cache=kv_tokens * gen_kv_per_token(g, gen.tp))
+                       kv_cache=kv_tokens * gen_kv_per_token(g, gen.tp),
+                       engine_weights=engine_weights(g, gen.tp, gen.precision, engine))
+        kept = engine_resident(g, gen.tp, gen.precision, engine, kv_tokens)  # through every phase
         placements.append(RolePlacement(
             role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
             precision=gen.precision, engine=engine, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
@@ -113,8 +115,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                 + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
             resident = resident_while_generating(mem)
             synced = gmem.params + gen_sync_staging(g, gen.tp, gen.precision, colocated=True)
-            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak, resident + gmem.total,
-                                                                               resident + synced),
+            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak + kept, resident + gmem.total,
+                                                                               resident + synced + kept),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))
         else:
             staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False)
@@ -130,7 +132,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                                         detail=f"rollouts from {gen.dp} generator replicas to {train.dp * train.fsdp} trainer ranks, balanced by tokens"))
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
                                               roles=[pl.role for pl in placements if pl.mesh == trainer_mesh]))
-            device_memory.append(DeviceMemory(mesh="generator", peak_bytes=max(gmem.total, gmem.params + staging),
+            device_memory.append(DeviceMemory(mesh="generator", peak_bytes=max(gmem.total, gmem.params + staging + kept),
                                               capacity_bytes=capacity, roles=[g.name]))
     else:
         device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,

@@ -50,17 +50,21 @@ class MemoryBytes(Frozen):
                                                       "weights of a mixed-precision model trained without FSDP2.")
     activations: float = Field(default=0.0, description="Activations kept for backward (or forward working set).")
     kv_cache: float = Field(default=0.0, description="Key/value cache of generation.")
+    engine_weights: float = Field(default=0.0, description="A serving engine's own copy of a generator's weights, "
+                                                           "beside the role's module (which weight syncs fill and "
+                                                           "the engine reloads from).")
     gathered: float = Field(default=0.0, description="Of params and grads: the unsharded copies a sharded role "
                                                      "holds only while it computes (FSDP2's gathered weights and "
                                                      "unreduced gradients); the rest is held between steps.")
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache + self.engine_weights
 
     @property
     def resting_state(self) -> float:
-        """Weights, gradients and optimizer state held between steps: what a run's ledger measures."""
+        """Weights, gradients and optimizer state held between steps: what a run's ledger measures (an
+        engine's own copy lives inside the engine, out of the ledger's reach)."""
         return self.params + self.grads + self.optimizer - self.gathered
 
     def as_dict(self) -> dict[str, float]:

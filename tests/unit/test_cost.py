@@ -241,13 +241,15 @@ def test_more_tp_less_inference_memory() -> None:
 
 
 def test_memory_breakdown_arithmetic() -> None:
-    a = MemoryBreakdown(params=1, grads=2, optimizer=3, activations=4, kv_cache=5)
+    a = MemoryBreakdown(params=1, grads=2, optimizer=3, activations=4, kv_cache=5, engine_weights=6)
     b = MemoryBreakdown(params=10)
-    assert (a + b).params == 11 and (a + b).total == 25
+    assert (a + b).params == 11 and (a + b).total == 31 and (a + b).engine_weights == 6
     assert sum([a, b]) == a + b
     assert a.as_dict() == {
-        "params": 1, "grads": 2, "optimizer": 3, "activations": 4, "kv_cache": 5, "gathered": 0.0, "total": 15,
+        "params": 1, "grads": 2, "optimizer": 3, "activations": 4, "kv_cache": 5, "gathered": 0.0,
+        "engine_weights": 6, "total": 21,
     }
+    assert a.resting_state == 6  # the engine's copy lives inside the engine, out of the ledger's reach
 
 
 def test_weight_bytes_keeps_the_rest_at_the_model_dtype() -> None:

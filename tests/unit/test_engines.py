@@ -114,3 +114,73 @@ def test_a_calibrated_engine_scales_the_predicted_generation_time(monkeypatch) -
     key = CostKey("Generate", "policy/generate")
     assert vllm[key] < native[key] * 0.5
     assert vllm[CostKey("TrainStep", "policy")] == native[CostKey("TrainStep", "policy")]
+
+
+def test_a_vllm_generator_is_charged_its_own_copy_and_cache_in_every_phase(monkeypatch) -> None:
+    """A vLLM engine holds its own copy of the weights beside the role's module (which the weight sync
+    fills), and keeps it and its KV cache while the trainer trains (it is not put to sleep): the plan
+    charges both, on the generator's placement and in the trainer mesh's peak; the ledger's resting state
+    (the module's tensors) is unchanged, and the preview says why the bytes are there."""
+    monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
+    pins = ("placement.strategy=colocated", "schedule.mode=sync", "placement.roles.policy.sharding=none")
+    native, vllm = _plan(*pins), _plan(*pins, "placement.roles.policy/generate.engine=vllm")
+
+    def parts(plan):  # noqa: ANN001, ANN202
+        gen = next(p for p in plan.chosen.placements if p.kind == "generate")
+        trainer = next(p for p in plan.chosen.placements if p.kind == "train")
+        peak = next(d.peak_bytes for d in plan.chosen.device_memory if d.mesh == trainer.mesh)
+        return gen.memory_bytes, trainer.memory_bytes, peak
+
+    gen_n, train_n, peak_n = parts(native)
+    gen_v, train_v, peak_v = parts(vllm)
+    assert gen_n.engine_weights == 0.0
+    assert gen_v.engine_weights == gen_v.params > 0
+    assert gen_v.total == pytest.approx(gen_v.params + gen_v.activations + gen_v.kv_cache + gen_v.engine_weights)
+    assert gen_v.resting_state == gen_n.resting_state
+    assert train_v == train_n
+    kept = gen_v.engine_weights + gen_v.kv_cache
+    assert peak_v >= train_v.total + kept
+    assert peak_n < train_n.total + kept  # the native sampler frees its cache and holds no second copy
+    result = CliRunner().invoke(main, ["compile", JOB, "--plan", *(a for pin in pins[:2] for a in ("--set", pin)),
+                                       "--set", "placement.roles.policy/generate.engine=vllm"])
+    assert result.exit_code == 0, result.output
+    assert "engine's own copy" in result.output and "sleep" in result.output
+
+
+def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatch) -> None:
+    """On a device just large enough for the trainer's peak plus half of what the engine keeps resident,
+    the native sampler's colocated layout fits and vLLM's is refused, naming the engine's bytes."""
+    import dataclasses
+
+    from graphrl.compiler.candidates import gen_cfgs, make_problem, train_cfgs
+    from graphrl.compiler.hardware import resolve_hardware
+    from graphrl.compiler.memory import engine_resident, resident_while_generating, trainer_mesh_memory
+    from graphrl.compiler.placement import evaluate_colocated, generation_time
+    from graphrl.compiler.typecheck import typecheck
+    from graphrl.ir import build_graph
+
+    monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
+
+    def problem(engine: str, memory_bytes: float | None = None):  # noqa: ANN202
+        job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override(s) for s in (
+            "placement.strategy=colocated", "placement.roles.policy.sharding=none",
+            f"placement.roles.policy/generate.engine={engine}")])
+        cluster = job_cluster(job, None)
+        p = make_problem(typecheck(build_graph(job.spec), cluster), cluster, resolve_hardware(cluster))
+        if memory_bytes is not None:
+            hw = p.hw.model_copy(update=dict(memory_bytes=memory_bytes / (1 - p.hw.reserved_memory_fraction)))
+            p = dataclasses.replace(p, hw=hw)
+        return p
+
+    p = problem("vllm")
+    train, gen = train_cfgs(p, 0, 2)[0], gen_cfgs(p, 0, 2)[0]
+    mem = trainer_mesh_memory(p, train)
+    res = generation_time(p, gen, p.usable - resident_while_generating(mem))
+    assert res is not None
+    kept = engine_resident(p.generator, gen.tp, gen.precision, "vllm", res.kv_tokens)
+    tight = mem.peak + kept / 2
+    assert evaluate_colocated(problem("native", tight), train, gen).fits
+    refused = evaluate_colocated(problem("vllm", tight), train, gen)
+    assert not refused.fits and refused.worst_role == "policy/generate"
+    assert "vllm engine keeps its weights and KV cache" in refused.reason
+    assert refused.needed_bytes == pytest.approx(mem.peak + kept)

@@ -59,7 +59,8 @@ def test_json_preview_has_documented_keys():
     placement = data["placements"][0]
     for key in ("model", "role", "mesh", "parallel", "sharding", "precision", "memory_bytes", "capacity_bytes"):
         assert key in placement
-    assert set(placement["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "kv_cache", "gathered", "total"}
+    assert set(placement["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "kv_cache", "gathered",
+                                            "engine_weights", "total"}
     assert data["baseline"]["step_time_s"] > 0
     assert data["candidates_considered"] > 100
 
