@@ -871,8 +871,14 @@ def _report_fit(probes: list[Probe], fitted: HardwareSpec, report: Callable[[str
            f"(+{fitted.sharded_unit_overhead_s * 1e6:.0f} µs per FSDP2 unit, "
            f"{fitted.sharded_forward_unit_overhead_s * 1e6:.0f} in a forward; +{fitted.zero1_step_overhead_s * 1e6:.0f} "
            f"µs per ZeRO-1 step), {fitted.tensor_parallel_layer_overhead_s * 1e6:.0f} "
-           f"µs per layer and pass on a tensor-parallel rank; elementwise "
-           f"{fitted.elementwise_rate / 1e9:.1f} GB/s forward, {fitted.backward_elementwise_rate / 1e9:.1f} backward")
+           f"µs per layer and pass on a tensor-parallel rank; elementwise {_rate(fitted.elementwise_rate)} forward, "
+           f"{_rate(fitted.backward_elementwise_rate)} backward")
+
+
+def _rate(bytes_per_s: float) -> str:
+    """A fitted elementwise rate; one the fit left unbounded means no time per elementwise byte (the probes'
+    time is all in the measured matmuls, vocabulary work and host terms)."""
+    return "no time" if bytes_per_s >= _HUGE / 10 else f"{bytes_per_s / 1e9:.1f} GB/s"
 
 
 def _distinct_host_fits(fits: list[HostFit]) -> tuple[HostFit, ...]:
