@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from graphrl.errors import PlacementError
 from graphrl.ddma import DDMA_BUCKET_BYTES
+from graphrl.engine_support import ENGINE_MAX_TP, ENGINE_PRECISIONS
 from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
@@ -468,10 +469,15 @@ def no_fit_error(p: Problem, rejected: list[Evaluated]) -> PlacementError:
     factor = nearest.overflow
     need_devices = int(math.ceil(p.num_devices * factor))
     fixes = [f"more devices (about {need_devices} instead of {p.num_devices})"]
-    if nearest.gen is not None and nearest.worst_role == (p.generator.name if p.generator else None):
-        if nearest.gen.precision == "bf16" and p.hw.peak_fp8_flops > 0:
+    if nearest.gen is not None and p.generator is not None and nearest.worst_role == p.generator.name:
+        engine = p.hint(p.generator.name).engine or "native"  # only what this engine runs is offered
+        if nearest.gen.precision == "bf16" and p.hw.peak_fp8_flops > 0 and "fp8" in ENGINE_PRECISIONS[engine]:
             fixes.append("fp8 generation (precision: fp8)")
-        fixes.append(f"a larger generator tp (tp: {nearest.gen.tp * 2})")
+        max_tp = ENGINE_MAX_TP[engine]
+        if max_tp is None or nearest.gen.tp * 2 <= max_tp:
+            fixes.append(f"a larger generator tp (tp: {nearest.gen.tp * 2})")
+        if engine != "native":
+            fixes.append("engine: native (no second copy of the weights, a cache that lives for one generation)")
     else:
         if nearest.train.sharding != "fsdp":
             fixes.append("sharding: fsdp")

@@ -155,7 +155,7 @@ def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatc
     from graphrl.compiler.candidates import gen_cfgs, make_problem, train_cfgs
     from graphrl.compiler.hardware import resolve_hardware
     from graphrl.compiler.memory import engine_resident, resident_while_generating, trainer_mesh_memory
-    from graphrl.compiler.placement import evaluate_colocated, generation_time
+    from graphrl.compiler.placement import evaluate_colocated, generation_time, no_fit_error
     from graphrl.compiler.typecheck import typecheck
     from graphrl.ir import build_graph
 
@@ -184,3 +184,7 @@ def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatc
     assert not refused.fits and refused.worst_role == "policy/generate"
     assert "vllm engine keeps its weights and KV cache" in refused.reason
     assert refused.needed_bytes == pytest.approx(mem.peak + kept)
+    # What would make it fit is what this engine runs: not fp8, not tp 2 (vLLM runs neither here).
+    error = no_fit_error(problem("vllm", tight), [refused])
+    assert "engine: native" in error.fix and "fp8" not in error.fix and "tp: 2" not in error.fix
+    assert "tp: 2" in no_fit_error(problem("native", tight), [dataclasses.replace(refused)]).fix
