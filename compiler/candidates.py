@@ -17,7 +17,7 @@ from graphrl.ir import JobGraph
 from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import PlacementHints, RoleHint, parse_device_range
+from graphrl.schemas.job import Engine, PlacementHints, RoleHint, parse_device_range
 from graphrl.schemas.mesh import Mesh
 
 from graphrl.compiler import cost, timing
@@ -151,6 +151,10 @@ class SearchSpace:
     def hint(self, role: str) -> RoleHint:
         return self.hints.roles.get(role, RoleHint())
 
+    def engine_of(self, role: str) -> Engine:
+        """The engine a generation role runs on: its pin, else the native sampler."""
+        return self.hint(role).engine or "native"
+
 
 @dataclass(frozen=True)
 class Problem(SearchSpace):
@@ -230,7 +234,7 @@ def gen_cfgs(p: SearchSpace, first: int, n: int) -> list[GenCfg]:
     offered = ["bf16", "fp8"] if fp8 and not cost.fp8_dequantizes(p.hw) else ["bf16"]
     precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
                   if precision_refusal("generate", prec, hardware_fp8=fp8) is None
-                  and prec in ENGINE_PRECISIONS[hint.engine or "native"]]
+                  and prec in ENGINE_PRECISIONS[p.engine_of(role.name)]]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
 

@@ -134,6 +134,12 @@ def engine_weights(role: Role, tp: int, precision: str, engine: str) -> float:
     return 0.0 if engine == "native" else gen_weights(role, tp, precision)
 
 
+def held_weights(role: Role, tp: int, precision: str, engine: str) -> float:
+    """Bytes per device of a generator's weights as its rank holds them: the role's module, and beside it a
+    serving engine's own copy."""
+    return gen_weights(role, tp, precision) + engine_weights(role, tp, precision, engine)
+
+
 def engine_resident(role: Role, tp: int, precision: str, engine: str, kv_tokens: float) -> float:
     """Bytes per device a serving engine keeps through every phase: its weights and its KV cache, which
     it allocates once at start (none for the native sampler, whose cache lives for one generation). An

@@ -43,9 +43,9 @@ from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
-from graphrl.compiler.memory import (MeshMemory, engine_resident, engine_weights, gen_kv_per_token, gen_per_sequence,
-                                     gen_sync_staging, gen_weights, infer_state, resident_while_generating,
-                                     train_state, trainer_mesh_memory)
+from graphrl.compiler.memory import (MeshMemory, engine_resident, gen_kv_per_token, gen_per_sequence, gen_sync_staging,
+                                     gen_weights, held_weights, infer_state, resident_while_generating, train_state,
+                                     trainer_mesh_memory)
 from graphrl.compiler.roles import Workload
 
 
@@ -74,13 +74,13 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTim
     assert role is not None
     w = p.workload
     hint = p.hint(role.name)
-    engine = hint.engine or "native"
+    engine = p.engine_of(role.name)
     if hint.memory_fraction is not None:
         if hint.memory_fraction * p.hw.memory_bytes > free_bytes:
             return None
         free_bytes = hint.memory_fraction * p.hw.memory_bytes
     per_seq = gen_per_sequence(p, role, gen.tp)
-    room = free_bytes - gen_weights(role, gen.tp, gen.precision) - engine_weights(role, gen.tp, gen.precision, engine)
+    room = free_bytes - held_weights(role, gen.tp, gen.precision, engine)
     share = math.ceil(w.responses / gen.dp)
     if per_seq <= 0 or room < per_seq:
         return None
@@ -219,7 +219,7 @@ def engine_reload_time(p: Problem, gen: GenCfg) -> float:
     """Seconds for the generator's engine to take the new weights it was handed: 0 for the native sampler,
     which computes with the tensors it was given."""
     role = p.generator
-    if role is None or (p.hint(role.name).engine or "native") == "native":
+    if role is None or p.engine_of(role.name) == "native":
         return 0.0
     return timing.engine_reload_seconds(role.dims, p.hw, gen.tp, max(role.weight_bytes, cost.BF16_BYTES))
 
@@ -311,11 +311,11 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
     if gen is not None:
         g = p.generator
         assert g is not None
-        engine = p.hint(g.name).engine or "native"
+        engine = p.engine_of(g.name)
         resident = resident_while_generating(mem)
         res = generation_time(p, gen, p.usable - resident)
         if res is None:
-            weights = gen_weights(g, gen.tp, gen.precision) + engine_weights(g, gen.tp, gen.precision, engine)
+            weights = held_weights(g, gen.tp, gen.precision, engine)
             need = resident + weights + gen_per_sequence(p, g, gen.tp)
             return _reject(ev, g.name, need, p.usable,
                            f"generator weights ({weights / GB:.1f} GB{_with_engine_copy(engine)}) beside "
@@ -348,10 +348,10 @@ def _gen_half(p: Problem, gen: GenCfg) -> tuple[float, str | None, float]:
     """(seconds, rejection reason, bytes needed) of a generator alone on its mesh."""
     g = p.generator
     assert g is not None
-    engine = p.hint(g.name).engine or "native"
+    engine = p.engine_of(g.name)
     res = generation_time(p, gen, p.usable)
     if res is None:
-        weights = gen_weights(g, gen.tp, gen.precision) + engine_weights(g, gen.tp, gen.precision, engine)
+        weights = held_weights(g, gen.tp, gen.precision, engine)
         need = weights + gen_per_sequence(p, g, gen.tp)
         return math.inf, (f"generator weights {weights / GB:.1f} GB per device{_with_engine_copy(engine)} leave no "
                           f"room for the KV cache ({p.usable / GB:.1f} GB usable)"), need
@@ -470,7 +470,7 @@ def no_fit_error(p: Problem, rejected: list[Evaluated]) -> PlacementError:
     need_devices = int(math.ceil(p.num_devices * factor))
     fixes = [f"more devices (about {need_devices} instead of {p.num_devices})"]
     if nearest.gen is not None and p.generator is not None and nearest.worst_role == p.generator.name:
-        engine = p.hint(p.generator.name).engine or "native"  # only what this engine runs is offered
+        engine = p.engine_of(p.generator.name)  # only what this engine runs is offered
         if nearest.gen.precision == "bf16" and p.hw.peak_fp8_flops > 0 and "fp8" in ENGINE_PRECISIONS[engine]:
             fixes.append("fp8 generation (precision: fp8)")
         max_tp = ENGINE_MAX_TP[engine]

@@ -85,7 +85,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                                         detail="before its phase"))
     if gen is not None and p.generator is not None:
         g = p.generator
-        engine = p.hint(g.name).engine or "native"
+        engine = p.engine_of(g.name)
         gen_mesh = trainer_mesh if ev.strategy == "colocated" else "generator"
         if ev.strategy == "disaggregated":
             meshes.append(gen.mesh("generator"))

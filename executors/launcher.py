@@ -237,7 +237,8 @@ def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int,
             except ValueError:
                 name = str(-code)
             return rank, f"killed by signal {name}"
-    written = [(path.stat().st_mtime_ns, int(path.stem.removeprefix("rank")), path) for path in errors.glob("rank*.txt")]
+    written = [(path.stat().st_mtime_ns, int(path.stem.removeprefix("rank")), path)
+               for path in errors.glob("rank*.txt")]
     if written:
         _, rank, path = min(written, key=lambda e: e[:2])
         return rank, path.read_text().splitlines()[0]

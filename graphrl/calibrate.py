@@ -337,14 +337,15 @@ def probe_model_code(
 
 
 # A probe call at least this long is timed only in the rounds that call the phases in turn: a loop of its
-# own would add minutes to a large model's calibration and tell nothing more (its median is the lower one).
+# own would add five calls per phase and probe, minutes on a real model (SmolLM2 at 3 and 6 layers).
 LONG_CALL_S = 0.5
 
 
 def _phase_times(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
-    """Seconds per call of each phase: the slower of a loop of its own (calls of the same phase back to
-    back) and rounds that call the phases in turn, as a run calls each once per step between the others, on
-    caches the others have just used. Every process of a gloo group times the same calls."""
+    """Seconds per call of each phase: the median of rounds that call the phases in turn, as a run calls
+    each once per step between the others, on caches the others have just used; for a call shorter than
+    `LONG_CALL_S`, the slower of that and a loop of its own (calls of the same phase back to back). Every
+    process of a gloo group times the same calls."""
     first = torch.tensor([_timed_once(fn) for fn in calls.values()])  # warm-up, and which calls are long
     if dist.is_initialized():  # every process decides alike: a probe's calls may run collectives
         dist.all_reduce(first, op=dist.ReduceOp.MAX)
