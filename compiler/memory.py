@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, replace
 
 
+from graphrl.schemas.sharding import staging_layers
 from graphrl.compiler import cost
 from graphrl.compiler.candidates import Problem, TrainCfg
 from graphrl.compiler.roles import Role
@@ -152,9 +153,11 @@ def engine_resident(role: Role, tp: int, precision: str, engine: str, kv_tokens:
 
 def gen_sync_staging(role: Role, tp: int, precision: str, *, colocated: bool) -> float:
     """Bytes per device an fp8 generator holds beside its weights while a weight sync fills it: the block
-    linears of its shard at the trainer's dtype (the wire's), received whole before they are quantized
-    (`executors.fp8.staging_tensors`). A colocated tp-1 generator quantizes the trainer's weights tensor by
-    tensor (none staged); a generator at the model's precision receives straight into its weights."""
+    linears of one staging group of layers (`staging_layers`; the sync runs group by group) of its shard at
+    the trainer's dtype, received whole before they are quantized (`executors.fp8.staging_tensors`). A
+    colocated tp-1 generator quantizes the trainer's weights tensor by tensor (none staged); a generator at
+    the model's precision receives straight into its weights."""
     if precision != "fp8" or (colocated and tp == 1):
         return 0.0
-    return cost.layer_linear_params(role.dims) * role.dims.num_layers / tp * max(role.weight_bytes, cost.BF16_BYTES)
+    layers = staging_layers(role.dims, tp)
+    return cost.layer_linear_params(role.dims) * layers / tp * max(role.weight_bytes, cost.BF16_BYTES)

@@ -18,15 +18,16 @@ A matmul runs one of two ways (`Fp8Linear.matmul`):
 
 Weights arrive in full precision (the trainer's dtype on the wire) and are quantized where they land:
 `staging_tensors` gives a weight sync full-precision tensors to write the quantized weights into, and
-`load_staged` quantizes them into the module once every region has arrived (the sync's peak holds the
-staging of the quantized weights beside the fp8 copy for as long as the sync runs). The colocated copy
-path (`copy_quantized`) quantizes tensor by tensor from the trainer's module and needs no staging.
+`load_staged` quantizes them into the module once every region has arrived. A sync into fp8 runs in
+staging groups of layers (`graphrl.schemas.sharding.staging_layers`): its peak holds one group's
+staging beside the fp8 copy, not the whole model's. The colocated copy path (`copy_quantized`) quantizes
+tensor by tensor from the trainer's module and needs no staging.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Iterator, Literal, Mapping
+from typing import Callable, Iterator, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -194,21 +195,22 @@ def is_quantized(model: nn.Module | None) -> bool:
     return next(fp8_linears(model), None) is not None
 
 
-def staging_tensors(model: nn.Module | None) -> dict[str, Tensor]:
-    """Per fp8 weight of `model`, an empty full-precision tensor of its (local) shape in the compute
-    dtype: where a weight sync writes that weight before `load_staged` quantizes it."""
+def staging_tensors(model: nn.Module | None, among: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
+    """Per fp8 weight of `model` (those whose name `among` accepts, if given), an empty full-precision
+    tensor of its (local) shape in the compute dtype: where a weight sync writes that weight before
+    `load_staged` quantizes it."""
     return {name: torch.empty(layer.weight.shape, dtype=layer.compute_dtype, device=layer.weight.device)
-            for name, layer in fp8_linears(model)}
+            for name, layer in fp8_linears(model) if among is None or among(name)}
 
 
 def load_staged(model: nn.Module, staged: Mapping[str, Tensor]) -> None:
-    """Quantize every staged weight into its fp8 layer (all of them must be staged)."""
+    """Quantize every staged weight into its fp8 layer."""
     layers = dict(fp8_linears(model))
-    if set(layers) != set(staged):
-        missing = sorted(set(layers) ^ set(staged))[:3]
-        raise ValueError(f"staged weights do not match the fp8 layers: {missing}")
-    for name, layer in layers.items():
-        layer.load_(staged[name])
+    unknown = sorted(set(staged) - set(layers))
+    if unknown:
+        raise ValueError(f"staged weights that are not fp8 layers: {unknown[:3]}")
+    for name, tensor in staged.items():
+        layers[name].load_(tensor)
 
 
 @torch.no_grad()

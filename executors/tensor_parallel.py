@@ -27,7 +27,7 @@ and their KV caches stay consistent, with no broadcast of the samples.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -204,14 +204,18 @@ class TensorParallelLlama(Llama):
                 self.get_parameter(name).copy_(full[tuple(slice(a, b) for a, b in region)])
 
     @torch.no_grad()
-    def complete_kv_heads(self, tensors: Mapping[str, Tensor] | None = None) -> None:
+    def complete_kv_heads(self, tensors: Mapping[str, Tensor] | None = None,
+                          among: Callable[[str], bool] | None = None) -> None:
         """After a weight sync wrote each rank's block of k/v rows: fill the rest of every replicated
-        KV head from the group's other ranks (one all-gather of all layers' blocks). A collective over
-        the group; a no-op when every rank holds whole heads. `tensors` as for `shards`."""
+        KV head from the group's other ranks (one all-gather of all layers' blocks, or of those whose
+        name `among` accepts). A collective over the group; a no-op when every rank holds whole heads.
+        `tensors` as for `shards`."""
         if self.kv_replicas == 1:
             return
         shards = self.shards(tensors)
-        names = [n for n in shards if self._replicated(n)]
+        names = [n for n in shards if self._replicated(n) and (among is None or among(n))]
+        if not names:
+            return
         blocks = [shards[n][0] for n in names]
         sizes = [b.numel() for b in blocks]
         mine = torch.cat([b.reshape(-1) for b in blocks])

@@ -28,7 +28,7 @@ dtype or in fp8 (`fp8.py`: received into full-precision staging, quantized on ar
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from graphrl.errors import RunError
-from graphrl.schemas.sharding import Region
-from graphrl.schemas.weightsync import WeightSyncRecord
+from graphrl.schemas.sharding import Region, staging_group
+from graphrl.schemas.weightsync import LocalCopy, WeightSyncRecord
 from graphrl.executors import fp8
 from graphrl.executors.tensor_parallel import TensorParallelLlama
 
@@ -171,17 +171,55 @@ def run_weight_sync(data: WeightSyncRecord, rank: int, src: nn.Module | None, ds
     replicated then completes them over its group.
 
     An fp8 generator (`fp8.py`) receives its quantized weights into full-precision staging tensors of
-    the wire dtype, completes its KV heads there, and quantizes them into its fp8 layers at the end:
-    the wire carries the trainer's bytes, the destination keeps fp8 and scales."""
-    staged = fp8.staging_tensors(dst)
-    src_shards, dst_shards = module_shards(src), module_shards(dst, staged)
-    held = next(iter(src_shards.values()), None) or next(iter(dst_shards.values()), None)
-    execute_weight_sync(data, rank, src_shards, dst_shards, rt.comm_device, rt.device,
-                        wire_dtype=held[0].dtype if held is not None else torch.float32)
-    if isinstance(dst, TensorParallelLlama):
-        dst.complete_kv_heads(staged)
-    if staged:
-        fp8.load_staged(dst, staged)  # type: ignore[arg-type]
+    the wire dtype, completes its KV heads there, and quantizes them into its fp8 layers: the wire
+    carries the trainer's bytes, the destination keeps fp8 and scales. A plan made in staging groups
+    (`WeightSyncRecord.staging_layers`) runs group by group, staging, quantizing and freeing one group's
+    linears before the next group's first round."""
+    src_shards = module_shards(src)
+    wire_dtype = None
+    for part, group in _staging_parts(data):
+        staged = fp8.staging_tensors(dst, group)
+        dst_shards = module_shards(dst, staged)
+        if wire_dtype is None:
+            held = next(iter(src_shards.values()), None) or next(iter(dst_shards.values()), None)
+            wire_dtype = held[0].dtype if held is not None else torch.float32
+        execute_weight_sync(part, rank, src_shards, dst_shards, rt.comm_device, rt.device, wire_dtype=wire_dtype)
+        if isinstance(dst, TensorParallelLlama):
+            dst.complete_kv_heads(staged, group)
+        if staged:
+            fp8.load_staged(dst, staged)  # type: ignore[arg-type]
+        del staged, dst_shards  # this group's staging is freed before the next one's is allocated
+
+
+Group = Callable[[str], bool] | None  # the parameters of one staging group; None: every parameter
+_PARTS: dict[int, tuple[WeightSyncRecord, list[tuple[WeightSyncRecord, Group]]]] = {}
+
+
+def _staging_parts(data: WeightSyncRecord) -> list[tuple[WeightSyncRecord, Group]]:
+    """A staged plan cut into its groups: per group, a record of its rounds and of its parameters' local
+    copies, and which parameters it fills. A plan in one group is its own single part. Kept per record,
+    so that each part's resolved messages are kept as well (`_rank_sync`)."""
+    if not data.group_rounds or data.rounds is None:
+        return [(data, None)]
+    cached = _PARTS.get(id(data))
+    if cached is not None and cached[0] is data:
+        return cached[1]
+    layers = data.staging_layers
+    parts: list[tuple[WeightSyncRecord, Group]] = []
+    start = 0
+    for g, num_rounds in enumerate(data.group_rounds):
+        def member(name: str, g: int = g) -> bool:
+            return staging_group(name, layers) == g
+
+        local = [LocalCopy(c.rank, sum(_numel(sl.region) for sl in mine) * data.src_bytes_per_elem, mine)
+                 for c in data.local if (mine := tuple(sl for sl in c.slices if member(sl.param)))]
+        rounds = data.rounds[start:start + num_rounds]
+        parts.append((data.model_copy(update={"rounds": rounds, "local": local, "group_rounds": []}), member))
+        start += num_rounds
+    if len(_PARTS) >= 64:
+        _PARTS.clear()
+    _PARTS[id(data)] = (data, parts)
+    return parts
 
 
 def module_shards(module: nn.Module | None, staged: Mapping[str, Tensor] | None = None

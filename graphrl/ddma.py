@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from itertools import chain, product
 from math import ceil, prod
 from operator import itemgetter
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from graphrl.schemas.job import PRECISION_BYTES
 from graphrl.schemas.model import ModelDims
@@ -51,6 +51,8 @@ from graphrl.schemas.sharding import (
     Region,
     normalize_layout,
     pp_stage,
+    staging_group,
+    staging_layers,
     region_of,
     region_size,
     llama_layout_on,
@@ -84,6 +86,7 @@ class Bucket:
     dst: int
     slices: tuple[Slice, ...]
     num_bytes: int  # at the source's bytes per element (what crosses the link)
+    group: int = 0  # the staging group of its slices (`plan_weight_sync`'s `group_of`)
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,8 @@ class WeightSyncPlan:
     dst_bytes_per_elem: int
     bucket_bytes: int  # the bucket size limit the plan was made with
     num_pairs: int = 0  # (sender, receiver) pairs with at least one bucket
+    # Rounds of each staging group, in order (`plan_weight_sync`'s `group_of`); empty: one group.
+    group_rounds: tuple[int, ...] = ()
 
     @property
     def is_noop(self) -> bool:
@@ -157,6 +162,7 @@ class _Class:
     param_ids: list[int]
     src_groups: dict[Region, tuple[int, ...]]  # distinct source region -> ranks that hold it
     dst_groups: dict[Region, tuple[int, ...]]  # distinct destination region -> ranks that need it
+    group: int = 0  # the staging group of its parameters
 
 
 class _Entries:
@@ -164,6 +170,7 @@ class _Entries:
 
     def __init__(self, classes: list[_Class], params: Sequence[ParamInfo]) -> None:
         self._names = [[params[pid].name for pid in cls.param_ids] for cls in classes]
+        self._groups = [cls.group for cls in classes]
         self._ids: dict[_Entry, int] = {}
         self.entries: list[_Entry] = []
         self._slices: dict[int, tuple[Slice, ...]] = {}
@@ -174,6 +181,9 @@ class _Entries:
             eid = self._ids[entry] = len(self.entries)
             self.entries.append(entry)
         return eid
+
+    def group(self, eid: int) -> int:
+        return self._groups[self.entries[eid][0]]
 
     def slices(self, eid: int) -> tuple[Slice, ...]:
         made = self._slices.get(eid)
@@ -193,12 +203,15 @@ def plan_weight_sync(
     src_bytes_per_elem: int = 2,
     dst_bytes_per_elem: int | None = None,
     bucket_bytes: int = 1 << 30,
+    group_of: Callable[[ParamInfo], int] | None = None,
 ) -> WeightSyncPlan:
     """Plan one weight sync from the source (trainer) layout to the destination (generator) layout.
 
     `src_layout` / `dst_layout` give each parameter's placement on its mesh (e.g.
-    `llama_param_layout`); `bucket_bytes` caps one (src, dst) buffer. See the module docstring
-    for the choices made; the output is the same for the same input.
+    `llama_param_layout`); `bucket_bytes` caps one (src, dst) buffer. `group_of` cuts the sync into
+    groups that run one after the other, in group order: every parameter of a group arrives whole before
+    the next group's first round (an fp8 destination stages and quantizes one group at a time). See the
+    module docstring for the choices made; the output is the same for the same input.
     """
     dst_bytes_per_elem = src_bytes_per_elem if dst_bytes_per_elem is None else dst_bytes_per_elem
     if src_bytes_per_elem < 1 or dst_bytes_per_elem < 1:
@@ -214,9 +227,8 @@ def plan_weight_sync(
         raise PlacementError(f"weight sync: parameter names repeat: {dup[:5]}")
 
     with _gc_paused():
-        return _plan(
-            params, src_mesh, src_layout, dst_mesh, dst_layout, src_bytes_per_elem, dst_bytes_per_elem, bucket_bytes
-        )
+        return _plan(params, src_mesh, src_layout, dst_mesh, dst_layout, src_bytes_per_elem, dst_bytes_per_elem,
+                     bucket_bytes, group_of)
 
 
 @contextmanager
@@ -241,8 +253,9 @@ def _plan(
     src_bytes_per_elem: int,
     dst_bytes_per_elem: int,
     bucket_bytes: int,
+    group_of: Callable[[ParamInfo], int] | None,
 ) -> WeightSyncPlan:
-    classes = _classify(params, src_mesh, src_layout, dst_mesh, dst_layout)
+    classes = _classify(params, src_mesh, src_layout, dst_mesh, dst_layout, group_of)
     eb = src_bytes_per_elem
     book = _Entries(classes, params)
     overlapping = not set(src_mesh.devices).isdisjoint(dst_mesh.devices)
@@ -301,6 +314,10 @@ def _plan(
     _assign_senders(choices, load, sends)
     buckets = _bucketize(sends, book, eb, bucket_bytes)
     local_copies = _local_copies(local, book, eb)
+    by_group: dict[int, list[Bucket]] = defaultdict(list)
+    for bucket in buckets:
+        by_group[bucket.group].append(bucket)
+    rounds = [_schedule(by_group[g]) for g in sorted({cls.group for cls in classes})]
 
     bytes_per_src: dict[int, int] = defaultdict(int)
     bytes_per_dst: dict[int, int] = defaultdict(int)
@@ -310,7 +327,7 @@ def _plan(
     total = sum(bytes_per_src.values())
     assert total == lower_bound, (total, lower_bound)
     return WeightSyncPlan(
-        rounds=_schedule(buckets),
+        rounds=tuple(chain.from_iterable(rounds)),
         local_copies=local_copies,
         total_bytes=total,
         bytes_per_src=dict(bytes_per_src),
@@ -321,20 +338,26 @@ def _plan(
         dst_bytes_per_elem=dst_bytes_per_elem,
         bucket_bytes=bucket_bytes,
         num_pairs=sum(len(receivers) for receivers in sends.values()),
+        group_rounds=tuple(len(r) for r in rounds) if group_of is not None else (),
     )
 
 
 def _bucketize(sends: dict[int, dict[int, list[int]]], book: _Entries, eb: int, limit: int) -> list[Bucket]:
-    """Every pair's buckets, pairs in (src, dst) order. Pairs with the same entries share slices."""
-    packed: dict[tuple[int, ...], list[tuple[tuple[Slice, ...], int]]] = {}
+    """Every pair's buckets, pairs in (src, dst) order, each bucket within one group. Pairs with the same
+    entries share slices."""
+    packed: dict[tuple[int, ...], list[tuple[int, tuple[tuple[Slice, ...], int]]]] = {}
     buckets = []
     for s in sorted(sends):
         for r in sorted(sends[s]):
             key = tuple(sends[s][r])
             chunks = packed.get(key)
             if chunks is None:
-                chunks = packed[key] = _pack(key, book, eb, limit)
-            buckets.extend(Bucket(s, r, slices, num_bytes) for slices, num_bytes in chunks)
+                by_group: dict[int, list[int]] = defaultdict(list)
+                for eid in key:
+                    by_group[book.group(eid)].append(eid)
+                chunks = packed[key] = [(g, chunk) for g in sorted(by_group)
+                                        for chunk in _pack(tuple(by_group[g]), book, eb, limit)]
+            buckets.extend(Bucket(s, r, slices, num_bytes, g) for g, (slices, num_bytes) in chunks)
     return buckets
 
 
@@ -352,12 +375,15 @@ def _local_copies(local: dict[int, list[int]], book: _Entries, eb: int) -> tuple
 
 
 def _classify(
-    params: Sequence[ParamInfo], src_mesh: Mesh, src_layout: LayoutFn, dst_mesh: Mesh, dst_layout: LayoutFn
+    params: Sequence[ParamInfo], src_mesh: Mesh, src_layout: LayoutFn, dst_mesh: Mesh, dst_layout: LayoutFn,
+    group_of: Callable[[ParamInfo], int] | None = None,
 ) -> list[_Class]:
-    """Group parameters by geometry and compute each group's distinct regions on both meshes."""
+    """Group parameters by geometry (and staging group) and compute each class's distinct regions on both
+    meshes. Classes come in staging-group order, then in order of their first parameter."""
     by_key: dict[tuple, list[int]] = {}
     for pid, p in enumerate(params):
         key = (
+            0 if group_of is None else group_of(p),
             tuple(p.shape),
             normalize_layout(src_layout(p), src_mesh, p.shape, p.name),
             normalize_layout(dst_layout(p), dst_mesh, p.shape, p.name),
@@ -376,8 +402,8 @@ def _classify(
         return groups_memo[memo_key]
 
     return [
-        _Class(shape, pids, groups("src", src_mesh, shape, sa, ss), groups("dst", dst_mesh, shape, da, ds))
-        for (shape, sa, da, ss, ds), pids in by_key.items()
+        _Class(shape, pids, groups("src", src_mesh, shape, sa, ss), groups("dst", dst_mesh, shape, da, ds), g)
+        for (g, shape, sa, da, ss, ds), pids in sorted(by_key.items(), key=lambda item: item[0][0])
     ]
 
 
@@ -690,18 +716,29 @@ MAX_STORED_BUCKETS = 20_000
 
 def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
                     bucket_bytes: int = DDMA_BUCKET_BYTES) -> WeightSyncPlan:
-    """The DDMA plan of a Llama model's trainer -> generator copy, from the model's sharding description."""
+    """The DDMA plan of a Llama model's trainer -> generator copy, from the model's sharding description.
+    Into an fp8 generator, in staging groups of layers (`sync_staging_layers`)."""
+    layers = sync_staging_layers(dims, dst, precision)
     return plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
                             dst_layout=llama_layout_on(dst), src_bytes_per_elem=WIRE_BYTES_PER_ELEM,
-                            dst_bytes_per_elem=PRECISION_BYTES[precision], bucket_bytes=bucket_bytes)
+                            dst_bytes_per_elem=PRECISION_BYTES[precision], bucket_bytes=bucket_bytes,
+                            group_of=None if layers is None else lambda p: staging_group(p.name, layers))
+
+
+def sync_staging_layers(dims: ModelDims, dst: Mesh, precision: str) -> int | None:
+    """Layers per staging group of a sync into a generator stored at `precision`: an fp8 generator stages
+    its block linears at the wire's dtype before quantizing them (`staging_layers`); None for one that
+    receives straight into its weights."""
+    return staging_layers(dims, dst.size(MeshAxis.TP)) if PRECISION_BYTES[precision] < WIRE_BYTES_PER_ELEM else None
 
 
 def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicted_s: float,
-                rank: int | None = None) -> WeightSyncRecord:
+                rank: int | None = None, staging_layers: int = 0) -> WeightSyncRecord:
     """The record a plan stores of `plan`: its rounds when they hold at most `MAX_STORED_BUCKETS`
     buckets, else its summary only. With `rank`, the rounds whatever their number, but only the buckets
     and local copies `rank` takes part in (each round in place, maybe empty): what that rank's executor
-    runs, in memory that does not grow with the mesh. The summary always describes the whole sync."""
+    runs, in memory that does not grow with the mesh. The summary always describes the whole sync.
+    `staging_layers`: the layers per staging group the plan was made with (0: not staged)."""
     stored = rank is not None or plan.num_buckets <= MAX_STORED_BUCKETS
 
     def slices(bucket: Any) -> tuple[RecordSlice, ...]:
@@ -711,7 +748,7 @@ def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicte
         return rank is None or rank in ranks
 
     return WeightSyncRecord(
-        model=model, src=src, dst=dst,
+        model=model, src=src, dst=dst, staging_layers=staging_layers, group_rounds=list(plan.group_rounds),
         src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
         bucket_bytes=plan.bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=predicted_s,
         rounds=[[RecordBucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets if mine(b.src, b.dst)]
@@ -722,7 +759,8 @@ def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicte
 
 @functools.lru_cache(maxsize=16)
 def _rank_record(dims: ModelDims, model: str, src: Mesh, dst: Mesh, precision: str, rank: int) -> WeightSyncRecord:
-    return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank)
+    return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank,
+                       sync_staging_layers(dims, dst, precision) or 0)
 
 
 def rank_sync_record(plan: Plan, model: str, rank: int) -> WeightSyncRecord:

@@ -398,6 +398,39 @@ def fsdp_layer_units(num_layers: int, layer_bytes: float) -> list[range]:
     return [range(start, min(start + per_unit, num_layers)) for start in range(0, num_layers, per_unit)]
 
 
+# An fp8 generator receives its block linears at the wire's dtype and quantizes each once it has
+# arrived whole (`executors/fp8.py`). A weight sync into it runs in staging groups of consecutive layers,
+# one after the other, so that a rank stages one group's linears at a time, not the whole model's. A group
+# holds the most layers whose linears stay within `STAGING_GROUP_BYTES` per device at the wire's two bytes
+# per weight, and there are at most `MAX_STAGING_GROUPS` groups: every (trainer, generator) pair of ranks
+# that exchanges bytes exchanges a bucket per group, so at 405B scale (~55,000 pairs) more groups would
+# multiply the buckets the planner colours into rounds and the compile time with them.
+STAGING_GROUP_BYTES = 2 * 2**30
+MAX_STAGING_GROUPS = 4
+
+
+def staging_layers(dims: ModelDims, tp: int) -> int:
+    """Layers per staging group of a weight sync into an fp8 generator with `tp` shards per layer: the
+    compiler's staging charge and the DDMA planner's group order both read it."""
+    layer_bytes = llama_layer_param_count(dims, matmuls_only=True) / tp * 2
+    by_bytes = int(STAGING_GROUP_BYTES // layer_bytes) if layer_bytes > 0 else dims.num_layers
+    return max(1, min(dims.num_layers, max(by_bytes, math.ceil(dims.num_layers / MAX_STAGING_GROUPS))))
+
+
+def param_layer(name: str) -> int | None:
+    """The decoder layer of a HF-named Llama parameter (`model.layers.3.mlp.up_proj.weight` -> 3); None for
+    the embedding, the final norm and the heads."""
+    parts = name.split(".", 3)
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
+
+
+def staging_group(name: str, layers_per_group: int) -> int:
+    """The staging group a parameter is synced in: its layer's, counted from 0 in runs of
+    `layers_per_group`. The embedding, final norm and heads (never staged) go with the first group."""
+    layer = param_layer(name)
+    return 0 if layer is None else layer // layers_per_group
+
+
 def llama_layout_on(mesh: Mesh) -> LayoutFn:
     """`llama_param_layout` for a model copy on `mesh`, fsdp cutting each parameter along
     `fsdp_shard_dim` (what `executors/parallel.py` tells `fully_shard`)."""

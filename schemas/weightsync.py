@@ -88,3 +88,9 @@ class WeightSyncRecord(Frozen):
     rounds: list[list[Bucket]] | None = Field(
         default=None, description="The transfer rounds; absent for plans too large to store (the summary stays).")
     local: list[LocalCopy] = Field(default_factory=list, description="Rank-local copies.")
+    staging_layers: int = Field(
+        default=0, ge=0, description="Layers per staging group of an fp8 generator (`graphrl.schemas.sharding."
+        "staging_layers`): the sync runs group by group, every parameter of a group whole before the next "
+        "group's first round, so a rank stages and quantizes one group at a time. 0: one group.")
+    group_rounds: list[int] = Field(
+        default_factory=list, description="Rounds of each staging group, in order; empty for one group.")

@@ -60,7 +60,8 @@ def brute_lower_bound(params, src_mesh, src_layout, dst_mesh, dst_layout, eb) ->
     return total
 
 
-def check_plan(plan: WeightSyncPlan, params, src_mesh, src_layout, dst_mesh, dst_layout, eb: int, limit: int) -> None:
+def check_plan(plan: WeightSyncPlan, params, src_mesh, src_layout, dst_mesh, dst_layout, eb: int, limit: int,
+               group_of=None) -> None:
     by_name = {p.name: p for p in params}
     assert plan.num_pairs == len({(b.src, b.dst) for b in plan.buckets()})
     coverage = {}  # (param, dst rank) -> count per element
@@ -109,12 +110,20 @@ def check_plan(plan: WeightSyncPlan, params, src_mesh, src_layout, dst_mesh, dst
     assert plan.total_bytes == sum(sent.values()) == plan.lower_bound_bytes
     assert plan.lower_bound_bytes == brute_lower_bound(params, src_mesh, src_layout, dst_mesh, dst_layout, eb)
     assert plan.bytes_per_src == dict(sent) and plan.bytes_per_dst == dict(received)
-    # Exactly max-degree rounds: the fewest possible.
-    degree = Counter()
-    for b in plan.buckets():
-        degree[("s", b.src)] += 1
-        degree[("d", b.dst)] += 1
-    assert len(plan.rounds) == max(degree.values(), default=0)
+    # Exactly max-degree rounds, the fewest possible; in staging groups, a group's rounds carry only its
+    # parameters and are as many as its own max degree.
+    groups = sorted({group_of(p) for p in params}) if group_of is not None else [None]
+    assert group_of is None or (len(plan.group_rounds) == len(groups) and sum(plan.group_rounds) == len(plan.rounds))
+    start = 0
+    for g, num_rounds in zip(groups, plan.group_rounds or (len(plan.rounds),)):
+        degree = Counter()
+        for rnd in plan.rounds[start:start + num_rounds]:
+            for b in rnd.buckets:
+                degree[("s", b.src)] += 1
+                degree[("d", b.dst)] += 1
+                assert g is None or all(group_of(by_name[sl.param]) == g for sl in b.slices)
+        assert num_rounds == max(degree.values(), default=0)
+        start += num_rounds
 
 
 # --- strategies -------------------------------------------------------------------------------
@@ -183,6 +192,28 @@ def test_random_layouts_cover_each_destination_exactly_once_at_the_lower_bound(d
         src_bytes_per_elem=eb, dst_bytes_per_elem=1, bucket_bytes=limit,
     )
     assert again == plan  # deterministic
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_staging_groups_run_in_turn_and_move_the_same_bytes(data) -> None:
+    """A sync cut into staging groups (an fp8 generator quantizes one group at a time): every group's
+    parameters arrive in its own run of rounds, whole, and the bytes on the wire are the ungrouped plan's."""
+    params = data.draw(param_lists())
+    src_mesh = data.draw(meshes())
+    dst_mesh = data.draw(meshes(devices_from=list(src_mesh.ranks()), max_ranks=src_mesh.num_ranks)
+                         if data.draw(st.booleans()) else meshes())
+    src_layout, dst_layout = data.draw(layouts(params)), data.draw(layouts(params))
+    num_groups = data.draw(st.integers(1, 3))
+    group = {p.name: data.draw(st.integers(0, num_groups - 1)) for p in params}
+    limit = data.draw(st.sampled_from([2, 16, 1 << 20]))
+    kwargs = dict(src_mesh=src_mesh, src_layout=src_layout, dst_mesh=dst_mesh, dst_layout=dst_layout,
+                  src_bytes_per_elem=2, dst_bytes_per_elem=1, bucket_bytes=limit)
+    grouped = plan_weight_sync(params, group_of=lambda p: group[p.name], **kwargs)
+    check_plan(grouped, params, src_mesh, src_layout, dst_mesh, dst_layout, 2, limit, lambda p: group[p.name])
+    whole = plan_weight_sync(params, **kwargs)
+    assert grouped.total_bytes == whole.total_bytes and grouped.local_bytes == whole.local_bytes
+    assert whole.group_rounds == ()
 
 
 @settings(max_examples=40, deadline=None)
@@ -446,6 +477,57 @@ def test_executing_the_plan_rebuilds_every_destination_shard(src_axes, dst_axes,
             if region is not None:
                 assert torch.equal(dst_shards[(p.name, r)], full[p.name][region].to(torch.bfloat16)), (p.name, r)
     assert plan.is_noop == (src_axes == dst_axes and dst_first == 0)
+
+
+def test_an_fp8_generators_sync_runs_in_staging_groups_of_layers(monkeypatch) -> None:
+    """`plan_llama_sync` into fp8 cuts the sync into groups of `staging_layers` consecutive layers (the
+    embedding, final norm and head with the first), and into bf16 keeps one group; both rebuild every
+    destination shard. A tiny model's layers all fit one group's bytes, so the bound is shrunk here."""
+    from graphrl.ddma import plan_llama_sync, sync_staging_layers
+    from graphrl.schemas import sharding
+    from graphrl.schemas.sharding import MAX_STAGING_GROUPS, staging_group, staging_layers
+
+    dims = ModelDims(vocab_size=21, hidden_size=12, intermediate_size=18, num_layers=6, num_heads=3, num_kv_heads=1)
+    src, dst = Mesh.contiguous([(FSDP, 2), (TP, 2)]), Mesh.contiguous([(TP, 2)], first_rank=4)
+    assert staging_layers(dims, 2) == dims.num_layers  # one group
+    monkeypatch.setattr(sharding, "STAGING_GROUP_BYTES", 1)  # a layer a group, but no more than 4 groups
+    layers = staging_layers(dims, 2)
+    assert sync_staging_layers(dims, dst, "fp8") == layers and sync_staging_layers(dims, dst, "bf16") is None
+    assert layers == math.ceil(dims.num_layers / MAX_STAGING_GROUPS) == 2
+    fp8, bf16 = plan_llama_sync(dims, src, dst, "fp8"), plan_llama_sync(dims, src, dst, "bf16")
+    assert len(fp8.group_rounds) == math.ceil(dims.num_layers / layers) and bf16.group_rounds == ()
+    params = llama_params(dims)
+    start = 0
+    for g, num_rounds in enumerate(fp8.group_rounds):
+        names = {sl.param for rnd in fp8.rounds[start:start + num_rounds] for b in rnd.buckets for sl in b.slices}
+        assert names == {p.name for p in params if staging_group(p.name, layers) == g}
+        start += num_rounds
+    torch.manual_seed(0)
+    full = {p.name: torch.randn(p.shape).to(torch.bfloat16) for p in params}  # the wire's dtype
+    for plan in (fp8, bf16):
+        shards = execute(plan, params, src, dst, full, torch.bfloat16)
+        for p in params:
+            for r in dst.ranks():
+                assert torch.equal(shards[(p.name, r)], full[p.name][shard_region(p, dst, r, llama_param_layout(p))])
+
+
+def test_staging_groups_hold_a_bounded_number_of_bytes_or_layers() -> None:
+    """A group holds the most layers within `STAGING_GROUP_BYTES` per device at two bytes a weight, and
+    there are at most `MAX_STAGING_GROUPS` groups; a layer larger than the bound is a group of its own."""
+    from graphrl.schemas.sharding import (MAX_STAGING_GROUPS, STAGING_GROUP_BYTES, llama_layer_param_count,
+                                          param_layer, staging_group, staging_layers)
+
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b"):
+        dims = MODEL_PRESETS[name]
+        for tp in (1, 2, 4, 8, 16):
+            layers = staging_layers(dims, tp)
+            layer_bytes = llama_layer_param_count(dims, matmuls_only=True) / tp * 2
+            assert math.ceil(dims.num_layers / layers) <= MAX_STAGING_GROUPS
+            assert layers * layer_bytes <= STAGING_GROUP_BYTES or layers == math.ceil(dims.num_layers / MAX_STAGING_GROUPS)
+    huge = ModelDims(vocab_size=8, hidden_size=65536, intermediate_size=65536, num_layers=2, num_heads=8, num_kv_heads=8)
+    assert staging_layers(huge, 1) == 1
+    assert param_layer("model.layers.17.mlp.up_proj.weight") == 17 and param_layer("model.norm.weight") is None
+    assert staging_group("model.layers.17.mlp.up_proj.weight", 8) == 2 and staging_group("lm_head.weight", 8) == 0
 
 
 # --- summary ----------------------------------------------------------------------------------

@@ -217,20 +217,26 @@ def test_a_colocated_generator_as_wide_as_an_fsdp_trainer_reshards_for_less_than
 
 def test_an_fp8_generators_weight_sync_staging_is_charged():
     """A DDMA sync into an fp8 generator receives its block linears at the trainer's dtype before
-    quantizing them (`executors.fp8.staging_tensors`): the generator mesh's peak holds its weights and
-    that staging; a colocated tp-1 generator quantizes tensor by tensor and stages nothing."""
+    quantizing them (`executors.fp8.staging_tensors`), one staging group of layers at a time: the
+    generator mesh's peak holds its weights and one group's staging, and the stored sync runs in those
+    groups; a colocated tp-1 generator quantizes tensor by tensor and stages nothing."""
     from graphrl.compiler import cost
     from graphrl.schemas.model import MODEL_PRESETS
+    from graphrl.schemas.sharding import staging_layers
 
     plan = compile_example("llama3_70b.yaml")
     (gen,) = [p for p in plan.chosen.placements if p.kind == "generate"]
     assert plan.chosen.strategy == "disaggregated" and gen.precision == "fp8"
     dims = MODEL_PRESETS["llama3-70b"]
-    staging = cost.layer_linear_params(dims) * dims.num_layers / gen.tp * 2
+    layers = staging_layers(dims, gen.tp)
+    assert 1 <= layers < dims.num_layers
+    staging = cost.layer_linear_params(dims) * layers / gen.tp * 2
     (mesh,) = [dm for dm in plan.chosen.device_memory if dm.mesh == "generator"]
-    assert mesh.peak_bytes >= gen.memory_bytes.params + staging
+    assert gen.memory_bytes.params + staging <= mesh.peak_bytes
     (sync,) = [op for op in plan.chosen.operations if op.kind == "weight_sync"]
-    assert "staged per device" in sync.detail
+    assert f"{staging / 2**30:.2f} GiB staged per device" in sync.detail
+    (record,) = plan.programs.weight_syncs.values()
+    assert record.staging_layers == layers and len(record.group_rounds) == -(-dims.num_layers // layers)
     job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"),
                           [parse_override("placement.roles.policy/generate.precision=fp8")])
     tiny = compile_job(job, job_cluster(job, None), steps=4)
