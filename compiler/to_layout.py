@@ -9,6 +9,7 @@ import math
 from dataclasses import replace
 
 from graphrl.schemas.mesh import Mesh
+from graphrl.schemas.sharding import staging_layers
 from graphrl.schemas.plan import (
     CandidateSummary,
     DeviceMemory,
@@ -26,11 +27,18 @@ from graphrl.compiler.memory import (engine_resident, engine_weights, gen_kv_per
                                      resident_while_generating, trainer_mesh_memory)
 from graphrl.compiler.placement import (SearchResult, generation_time, reshard_in_place_time, role_times,
                                         rollout_transfer_time, weight_sync_time)
-from graphrl.compiler.roles import effective_mode
+from graphrl.compiler.roles import Role, effective_mode
 
 
 # ------------------------------------------------------------------------------------------------
 # From a chosen candidate to the plan's Layout
+
+
+def _staging_groups(role: Role, tp: int) -> str:
+    """How a sync into an fp8 generator runs: its staging groups of layers, one after the other."""
+    layers = staging_layers(role.dims, tp)
+    groups = -(-role.dims.num_layers // layers)
+    return "the whole model at once" if groups == 1 else f"{groups} groups of {layers} layers in turn"
 
 
 def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
@@ -124,8 +132,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             operations.append(Operation(
                 kind="weight_sync", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
                 detail=f"DDMA point-to-point, {train.n} senders -> {gen.n} receivers ({gen.dp} replicas x tp{gen.tp})"
-                       + (f", fp8: received at the trainer's dtype ({staging / 2**30:.2f} GiB staged per device) "
-                          "and quantized" if gen.precision == "fp8" else "")
+                       + (f", fp8: received at the trainer's dtype ({staging / 2**30:.2f} GiB staged per device, "
+                          f"{_staging_groups(g, gen.tp)}) and quantized" if gen.precision == "fp8" else "")
                        + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
             t, b = rollout_transfer_time(p, p.spans(min(train.first, gen.first), train.n + gen.n))
             operations.append(Operation(kind="reshard", src=g.name, dst=trainer_mesh, num_bytes=b, time_s=t,
