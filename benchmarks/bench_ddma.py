@@ -2,7 +2,9 @@
 
 Each case plans one trainer -> generator weight sync for a Llama 3 preset and prints the planning
 time (wall and CPU, best of --repeat), the rounds, the bytes on links against the lower bound,
-and the send balance (max / mean bytes over sending ranks).
+and the send balance (max / mean bytes over sending ranks). A case whose label ends in fp8 plans the sync
+into an fp8 generator, in staging groups of layers one after the other (`graphrl.ddma.sync_staging_layers`),
+beside the same layout into bf16.
 
     python benchmarks/bench_ddma.py [--bucket-mib 256] [--repeat 3] [--json]
 """
@@ -13,8 +15,8 @@ import argparse
 import json
 import time
 
-from graphrl.ddma import plan_summary, plan_weight_sync
-from graphrl.schemas.sharding import Mesh, MeshAxis, llama_param_layout, llama_params
+from graphrl.ddma import plan_summary, plan_weight_sync, sync_staging_layers
+from graphrl.schemas.sharding import Mesh, MeshAxis, llama_param_layout, llama_params, staging_group
 from graphrl.schemas.model import MODEL_PRESETS
 
 DP, FSDP, TP, PP = MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP, MeshAxis.PP
@@ -28,19 +30,25 @@ CASES = [
     ("405b fsdp64.tp8 -> dp64.tp8", "llama3-405b", [(FSDP, 64), (TP, 8)], [(DP, 64), (TP, 8)], 512),
     ("405b dp2.fsdp32.tp8 -> dp32.tp16", "llama3-405b", [(DP, 2), (FSDP, 32), (TP, 8)], [(DP, 32), (TP, 16)], 512),
     ("405b fsdp64.tp8 -> dp64.tp8 (colocated)", "llama3-405b", [(FSDP, 64), (TP, 8)], [(DP, 64), (TP, 8)], 0),
+    # The 405B example's chosen layout, into bf16 and into fp8 (in staging groups of layers, one after the other)
+    ("405b fsdp22.tp8 -> dp53.tp16 bf16", "llama3-405b", [(FSDP, 22), (TP, 8)], [(DP, 53), (TP, 16)], 848),
+    ("405b fsdp22.tp8 -> dp53.tp16 fp8", "llama3-405b", [(FSDP, 22), (TP, 8)], [(DP, 53), (TP, 16)], 848),
 ]
 
 
 def run_case(label: str, preset: str, src_axes, dst_axes, dst_first: int, bucket_bytes: int, repeat: int) -> dict:
     params = llama_params(MODEL_PRESETS[preset])
+    dims = MODEL_PRESETS[preset]
     src = Mesh.contiguous(src_axes)
     dst = Mesh.contiguous(dst_axes, first_rank=dst_first)
+    layers = sync_staging_layers(dims, dst, "fp8") if label.endswith("fp8") else None
     best_wall = best_cpu = float("inf")
     for _ in range(repeat):
         wall, cpu = time.perf_counter(), time.process_time()
         plan = plan_weight_sync(
             params, src_mesh=src, src_layout=llama_param_layout, dst_mesh=dst, dst_layout=llama_param_layout,
             src_bytes_per_elem=2, bucket_bytes=bucket_bytes,
+            group_of=None if layers is None else lambda p: staging_group(p.name, layers),
         )
         best_wall = min(best_wall, time.perf_counter() - wall)
         best_cpu = min(best_cpu, time.process_time() - cpu)
