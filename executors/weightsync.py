@@ -199,7 +199,7 @@ def _staging_parts(data: WeightSyncRecord) -> list[tuple[WeightSyncRecord, Group
     """A staged plan cut into its groups: per group, a record of its rounds and of its parameters' local
     copies, and which parameters it fills. A plan in one group is its own single part. Kept per record,
     so that each part's resolved messages are kept as well (`_rank_sync`)."""
-    if not data.group_rounds or data.rounds is None:
+    if len(data.group_rounds) <= 1 or data.rounds is None:
         return [(data, None)]
     cached = _PARTS.get(id(data))
     if cached is not None and cached[0] is data:
