@@ -141,12 +141,13 @@ def held_weights(role: Role, tp: int, precision: str, engine: str) -> float:
     return gen_weights(role, tp, precision) + engine_weights(role, tp, precision, engine)
 
 
-def engine_resident(role: Role, tp: int, precision: str, engine: str, kv_tokens: float) -> float:
+def engine_resident(role: Role, tp: int, precision: str, engine: str, kv_tokens: float, *,
+                    sleeps: bool = False) -> float:
     """Bytes per device a serving engine keeps through every phase: its weights and its KV cache, which
-    it allocates once at start (none for the native sampler, whose cache lives for one generation). An
-    engine that could sleep (vLLM's sleep mode, CUDA only) would free them while others compute; the
-    executors do not put it to sleep, so they are charged in every phase."""
-    if engine == "native":
+    it allocates once at start (none for the native sampler, whose cache lives for one generation, and
+    none for an engine that sleeps between its generations, `engine_sleeps`: it holds them only while it
+    generates)."""
+    if engine == "native" or sleeps:
         return 0.0
     return engine_weights(role, tp, precision, engine) + kv_tokens * gen_kv_per_token(role, tp)
 

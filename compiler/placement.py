@@ -43,6 +43,7 @@ from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
+from graphrl.engine_support import engine_sleeps
 from graphrl.compiler.memory import (MeshMemory, engine_resident, gen_kv_per_token, gen_per_sequence, gen_sync_staging,
                                      gen_weights, held_weights, infer_state, resident_while_generating, train_state,
                                      trainer_mesh_memory)
@@ -320,11 +321,13 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
             return _reject(ev, g.name, need, p.usable,
                            f"generator weights ({weights / GB:.1f} GB{_with_engine_copy(engine)}) beside "
                            f"{resident / GB:.1f} GB of trainer state leave no room for one sequence's KV cache")
-        kept = engine_resident(g, gen.tp, gen.precision, engine, res.kv_tokens)
+        kept = engine_resident(g, gen.tp, gen.precision, engine, res.kv_tokens,
+                               sleeps=engine_sleeps(engine, colocated=True, device_kind=p.hw.kind))
         if kept and mem.peak + kept > p.usable:
             return _reject(ev, g.name, mem.peak + kept, p.usable,
                            f"the {engine} engine keeps its weights and KV cache ({kept / GB:.1f} GB per device) "
-                           f"while the trainer's phases need {mem.peak / GB:.1f} GB (it is not put to sleep)")
+                           f"while the trainer's phases need {mem.peak / GB:.1f} GB (it cannot sleep on "
+                           f"{p.hw.kind.upper()}s)")
         staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=True)
         need = resident + gen_weights(g, gen.tp, gen.precision) + staging + kept
         if staging and need > p.usable:

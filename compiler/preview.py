@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from graphrl.schemas.capabilities import plan_refusals
-from graphrl.schemas.plan import Layout, Plan
+from graphrl.schemas.plan import Layout, Plan, RolePlacement
 from graphrl.schemas.program import PHASES
 
 from graphrl.compiler.simulate import WAIT_PHASE
@@ -77,11 +77,20 @@ def _layout_tables(layout: Layout, title: str) -> list[Table]:
     for o in layout.operations:
         ops.add_row(o.kind, o.src, o.dst, human_bytes(o.num_bytes), human_seconds(o.time_s), o.detail)
     engines = [Text(f"{p.role} on {p.engine}: params +{human_bytes(p.memory_bytes.engine_weights)} is the engine's own "
-                    "copy of the weights (beside the role's module, which weight syncs fill); the engine keeps it and "
-                    "its KV cache in every phase, the trainer's included: it is not put to sleep (vLLM's sleep mode is "
-                    "CUDA-only, and the executors do not use it)")
+                    "copy of the weights (beside the role's module, which weight syncs fill); " + _engine_phases(p, layout))
                for p in layout.placements if p.memory_bytes.engine_weights]
     return [meshes, roles, *engines, mem, *([ops] if layout.operations else [])]
+
+
+def _engine_phases(p: RolePlacement, layout: Layout) -> str:
+    """When a serving engine holds its copy and KV cache, as the plan charges it."""
+    if p.sleeps:
+        return ("it sleeps between its generations (vLLM's sleep mode, level 2): its copy and KV cache are freed "
+                "while the trainer computes, and it reloads the weights from the role's module when it wakes")
+    if layout.strategy == "colocated":
+        return ("the engine keeps it and its KV cache in every phase, the trainer's included: vLLM's sleep mode "
+                "runs on CUDA only")
+    return "the engine keeps it and its KV cache on its own devices in every phase"
 
 
 def _phase_table(plan: Plan) -> Table:

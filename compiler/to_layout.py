@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.sharding import staging_layers
+from graphrl.engine_support import engine_sleeps
 from graphrl.schemas.plan import (
     CandidateSummary,
     DeviceMemory,
@@ -108,10 +109,11 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         gmem = replace(gmem, params=gen_weights(g, gen.tp, gen.precision),
                        kv_cache=kv_tokens * gen_kv_per_token(g, gen.tp),
                        engine_weights=engine_weights(g, gen.tp, gen.precision, engine))
-        kept = engine_resident(g, gen.tp, gen.precision, engine, kv_tokens)  # through every phase
+        sleeps = engine_sleeps(engine, colocated=ev.strategy == "colocated", device_kind=p.hw.kind)
+        kept = engine_resident(g, gen.tp, gen.precision, engine, kv_tokens, sleeps=sleeps)  # through every phase
         placements.append(RolePlacement(
             role=g.name, model=g.model, kind="generate", ops=list(g.ops), mesh=gen_mesh, dp=gen.dp, tp=gen.tp,
-            precision=gen.precision, engine=engine, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
+            precision=gen.precision, engine=engine, sleeps=sleeps, memory_bytes=_mem_bytes(gmem),  # type: ignore[arg-type]
         ))
         if ev.strategy == "colocated":
             t, b = reshard_in_place_time(p, train, gen)

@@ -20,6 +20,14 @@ ENGINE_MAX_TP: dict[Engine, int | None] = {"native": None, "vllm": 1}
 ENGINE_PRECISIONS: dict[Engine, tuple[str, ...]] = {"native": ("bf16", "fp8"), "vllm": ("bf16",)}
 
 
+def engine_sleeps(engine: Engine, *, colocated: bool, device_kind: str) -> bool:
+    """Whether a generator's serving engine sleeps between its generations: vLLM's sleep mode at level 2
+    frees its weights and KV cache, and on waking it reloads the weights from the role's module (which the
+    weight sync keeps current). The mode runs on CUDA only, and it frees memory only for other roles on the
+    same devices, so an engine sleeps where it is colocated with the trainer on GPUs."""
+    return engine == "vllm" and colocated and device_kind == "gpu"
+
+
 def engine_available(engine: Engine) -> bool:
     """Whether `engine` can be imported here (the native sampler always can)."""
     if engine == "native":
@@ -27,4 +35,4 @@ def engine_available(engine: Engine) -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-__all__ = ["ENGINE_MAX_TP", "ENGINE_PRECISIONS", "VLLM_INSTALL", "engine_available"]
+__all__ = ["ENGINE_MAX_TP", "ENGINE_PRECISIONS", "VLLM_INSTALL", "engine_available", "engine_sleeps"]

@@ -86,6 +86,9 @@ class RolePlacement(Frozen):
     sharding: Sharding = Field(default="none", description="Training-state sharding over the data-parallel axis.")
     precision: Precision = Field(default="bf16", description="Weight precision used for compute.")
     engine: Engine = Field(default="native", description="What runs a generation role: graphrl's sampler or vLLM.")
+    sleeps: bool = Field(default=False, description="A serving engine that sleeps between its generations (vLLM's "
+                         "sleep mode, level 2; CUDA, colocated with the trainer): its weights and KV cache are freed "
+                         "while other roles compute, and the weights reloaded from the role's module when it wakes.")
     offload: list[Literal["params", "grads", "optimizer"]] = Field(
         default_factory=list, description="State moved to host memory while the role is idle."
     )

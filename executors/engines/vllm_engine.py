@@ -16,6 +16,12 @@ parts together; then the prefix cache is reset, since cached blocks hold keys of
 files, no restart. On the CPU backend `model.load_weights` cannot be used (linear weights are repacked
 for oneDNN); the in-place reload handles that.
 
+Sleep: a plan whose generator shares its devices with the trainer on GPUs marks the engine to sleep
+(`RolePlacement.sleeps`). It is started with vLLM's sleep mode and sleeps at level 2 whenever it is not
+generating: its weights and KV cache are freed, not copied to the host. On waking it takes the weights
+from the role's module (which every weight sync keeps current) and then its KV cache, so a sync while it
+sleeps moves nothing into it. vLLM's sleep mode runs on CUDA only; a CPU plan never sets it.
+
 Sampling follows the native sampler (see `executors/engines/__init__.py`): per-request seeds from
 (seed, step, response index), temperature, top_p, max_new_tokens, the job's stop tokens (and nothing
 else: the model's own EOS is ignored unless it is one of them), behaviour log-probs of the sampled
@@ -65,11 +71,13 @@ class VllmEngine:
 
     name: Engine = "vllm"
 
-    def __init__(self, llm: Any, module: nn.Module, role: str, rank: int) -> None:
+    def __init__(self, llm: Any, module: nn.Module, role: str, rank: int, *, sleeps: bool = False) -> None:
         self.llm = llm
         self.module = module
         self.role = role
         self.rank = rank
+        self.sleeps = sleeps
+        self.asleep = False
         self.last_sync_s = 0.0
 
     @classmethod
@@ -79,6 +87,10 @@ class VllmEngine:
         if placement.tp != 1:
             raise RunError(f"rank {context.rank}: role {placement.role} runs on vLLM with tp={placement.tp}; "
                            "this executor runs vLLM engines with one rank per replica", fix="pin tp: 1 for this role")
+        if placement.sleeps and context.device.type != "cuda":
+            raise RunError(f"rank {context.rank}: the plan puts the vLLM engine of role {placement.role} to sleep "
+                           f"between generations, but vLLM's sleep mode runs on CUDA only (this rank runs on "
+                           f"{context.device.type})", fix="compile the job for the hardware it runs on")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if context.device.type == "cpu":
             cores = rank_cores(context.rank, context.threads)
@@ -96,7 +108,8 @@ class VllmEngine:
             save_hf_checkpoint(module, module.dims, folder)  # type: ignore[arg-type]
             llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=_DTYPE_NAMES[dtype],
                       tensor_parallel_size=1, kv_cache_memory_bytes=kv_bytes, max_model_len=context.max_model_len,
-                      seed=context.seed, disable_log_stats=True, logprobs_mode="processed_logprobs")
+                      seed=context.seed, disable_log_stats=True, logprobs_mode="processed_logprobs",
+                      **({"enable_sleep_mode": True} if placement.sleeps else {}))
         except RunError:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM fails in many ways at start; each is reported the same way
@@ -107,12 +120,17 @@ class VllmEngine:
                                "MiB of KV cache fit next to the weights; or use engine: native") from None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        return cls(llm, module, placement.role, context.rank)
+        engine = cls(llm, module, placement.role, context.rank, sleeps=placement.sleeps)
+        if engine.sleeps:
+            engine.sleep()  # until its first generation
+        return engine
 
     def generate(self, request: GenerationRequest) -> dict[str, Tensor]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.asleep:
+            self.wake_up()
         n = request.prompt_ids.shape[0]
         ids, mask = request.prompt_ids.cpu(), request.prompt_mask.cpu().bool()
         prompts = [TokensPrompt(prompt_token_ids=ids[i][mask[i]].tolist()) for i in range(n)]
@@ -127,6 +145,8 @@ class VllmEngine:
             raise RunError(f"rank {self.rank}: the vLLM engine of role {self.role} failed while generating step "
                            f"{request.step} ({type(exc).__name__}: {str(exc)[:300]})",
                            fix="the last checkpoint is intact: resume from it, or use engine: native") from None
+        if self.sleeps:
+            self.sleep()
         length = request.max_new_tokens
         response_ids = torch.full((n, length), request.pad_id, dtype=torch.int64)
         response_mask = torch.zeros(n, length, dtype=torch.bool)
@@ -156,8 +176,30 @@ class VllmEngine:
         return self.last_sync_s
 
     def weights_updated(self) -> None:
-        """Reload the role's module (the staging tensors the sync filled) into the engine."""
+        """Reload the role's module (the staging tensors the sync filled) into the engine; an engine asleep
+        takes them when it wakes."""
+        if not self.asleep:
+            self.load_weights(self.module.state_dict().items())
+
+    def sleep(self) -> None:
+        """Free the engine's weights and KV cache (level 2: nothing kept on the host)."""
+        self._call("sleep", lambda: self.llm.sleep(level=2))
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Allocate the weights, fill them from the role's module, then allocate the KV cache."""
+        self._call("wake", lambda: self.llm.wake_up(tags=["weights"]))
+        self.asleep = False
         self.load_weights(self.module.state_dict().items())
+        self._call("wake", lambda: self.llm.wake_up(tags=["kv_cache"]))
+
+    def _call(self, what: str, call: Any) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001
+            raise RunError(f"rank {self.rank}: the vLLM engine of role {self.role} failed to {what} "
+                           f"({type(exc).__name__}: {str(exc)[:300]})",
+                           fix="the last checkpoint is intact: resume from it, or use engine: native") from None
 
     def close(self) -> None:
         """Drop the engine (in process: its memory goes with the last reference)."""

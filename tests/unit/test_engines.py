@@ -118,7 +118,7 @@ def test_a_calibrated_engine_scales_the_predicted_generation_time(monkeypatch) -
 
 def test_a_vllm_generator_is_charged_its_own_copy_and_cache_in_every_phase(monkeypatch) -> None:
     """A vLLM engine holds its own copy of the weights beside the role's module (which the weight sync
-    fills), and keeps it and its KV cache while the trainer trains (it is not put to sleep): the plan
+    fills), and keeps it and its KV cache while the trainer trains (vLLM sleeps on CUDA only): the plan
     charges both, on the generator's placement and in the trainer mesh's peak; the ledger's resting state
     (the module's tensors) is unchanged, and the preview says why the bytes are there."""
     monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
@@ -188,3 +188,139 @@ def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatc
     error = no_fit_error(problem("vllm", tight), [refused])
     assert "engine: native" in error.fix and "fp8" not in error.fix and "tp: 2" not in error.fix
     assert "tp: 2" in no_fit_error(problem("native", tight), [dataclasses.replace(refused)]).fix
+
+
+def test_a_colocated_vllm_engine_on_gpus_sleeps_and_is_charged_only_while_generating(monkeypatch) -> None:
+    """On GPUs a colocated vLLM engine sleeps between its generations (vLLM's sleep mode, level 2): the
+    plan marks it, charges its copy and KV cache on the generator's placement but not in the trainer's
+    phases, and the preview says so; on CPUs (no sleep mode) and on a generator's own devices it stays
+    awake and is charged in every phase."""
+    from graphrl.engine_support import engine_sleeps
+
+    monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
+    assert engine_sleeps("vllm", colocated=True, device_kind="gpu")
+    assert not engine_sleeps("vllm", colocated=True, device_kind="cpu")
+    assert not engine_sleeps("vllm", colocated=False, device_kind="gpu")
+    assert not engine_sleeps("native", colocated=True, device_kind="gpu")
+    pins = ("placement.strategy=colocated", "schedule.mode=sync", "placement.roles.policy.sharding=none",
+            "placement.roles.policy/generate.engine=vllm")
+    h200 = str(EXAMPLES / "clusters" / "h200_8.yaml")
+
+    def compiled(*sets: str, cluster: str | None = None):  # noqa: ANN202
+        job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override(s) for s in sets])
+        plan = compile_job(job, job_cluster(job, cluster), steps=2)
+        gen = next(p for p in plan.chosen.placements if p.kind == "generate")
+        trainer = next(p for p in plan.chosen.placements if p.kind == "train")
+        peak = next(d.peak_bytes for d in plan.chosen.device_memory if d.mesh == trainer.mesh)
+        return plan, gen, trainer, peak
+
+    _, gen, trainer, peak = compiled(*pins, cluster=h200)
+    assert gen.engine == "vllm" and gen.sleeps and gen.memory_bytes.engine_weights > 0
+    kept = gen.memory_bytes.engine_weights + gen.memory_bytes.kv_cache
+    assert peak < trainer.memory_bytes.total + kept  # the trainer's phases do not hold what the engine freed
+    _, cpu_gen, cpu_trainer, cpu_peak = compiled(*pins)
+    assert not cpu_gen.sleeps
+    assert cpu_peak >= cpu_trainer.memory_bytes.total + cpu_gen.memory_bytes.engine_weights + cpu_gen.memory_bytes.kv_cache
+    apart = compiled("placement.strategy=disaggregated", "placement.roles.policy/generate.engine=vllm", cluster=h200)
+    assert not apart[1].sleeps
+    result = CliRunner().invoke(main, ["compile", JOB, "--plan", "--cluster", h200,
+                                       *(a for pin in pins for a in ("--set", pin))])
+    assert result.exit_code == 0, result.output
+    assert "it sleeps between its generations" in " ".join(result.output.split())
+
+
+class _FakeLLM:
+    """What `VllmEngine` calls of vLLM's `LLM`, recorded in order; generation returns one token per prompt."""
+
+    def __init__(self, **kwargs) -> None:  # noqa: ANN003
+        self.kwargs = kwargs
+        self.calls: list[str] = []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append("wake:" + ",".join(tags or ["all"]))
+
+    def collective_rpc(self, fn, args) -> None:  # noqa: ANN001
+        self.calls.append(f"reload{len(args[0])}")
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset")
+
+    def generate(self, prompts, params, use_tqdm: bool = False):  # noqa: ANN001, ANN201
+        from types import SimpleNamespace
+
+        self.calls.append("generate")
+        token = SimpleNamespace(logprob=-0.5)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3], logprobs=[{3: token}])]) for _ in prompts]
+
+
+def _fake_vllm(monkeypatch) -> list[_FakeLLM]:  # noqa: ANN001
+    """`vllm` as the engine imports it, backed by `_FakeLLM`; the engines it started."""
+    import sys
+    import types
+
+    started: list[_FakeLLM] = []
+
+    def llm(**kwargs) -> _FakeLLM:  # noqa: ANN003
+        started.append(_FakeLLM(**kwargs))
+        return started[-1]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = llm  # type: ignore[attr-defined]
+    vllm.SamplingParams = lambda **kwargs: kwargs  # type: ignore[attr-defined]
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda **kwargs: kwargs  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return started
+
+
+@pytest.mark.parametrize("sleeps", [True, False])
+def test_a_sleeping_engine_frees_everything_between_generations_and_wakes_on_the_modules_weights(
+        monkeypatch, tmp_path, sleeps: bool) -> None:
+    """A plan that marks the engine to sleep: it starts with vLLM's sleep mode and goes to sleep (level 2)
+    at once; a weight sync while it sleeps moves nothing into it; a generation wakes its weights, reloads
+    every tensor of the role's module, wakes its KV cache, generates and sleeps again. An engine that does
+    not sleep reloads on every sync and never calls the sleep mode."""
+    from graphrl.executors.engines import EngineContext
+    from graphrl.executors.engines.vllm_engine import VllmEngine
+    from graphrl.executors.models.llama import Llama
+    from graphrl.schemas.model import MODEL_PRESETS
+
+    started = _fake_vllm(monkeypatch)
+    plan = _plan()
+    placement = next(p for p in plan.chosen.placements if p.kind == "generate").model_copy(
+        update={"engine": "vllm", "sleeps": sleeps})
+    module = Llama(MODEL_PRESETS["tiny-digits"])
+    context = EngineContext(0, torch.device("cuda" if sleeps else "cpu"), 1, 7, 64)
+    engine = VllmEngine.start(placement, module, torch.float32, context)
+    (llm,) = started
+    assert llm.kwargs.get("enable_sleep_mode", False) == sleeps
+    engine.weights_updated()
+    tensors = len(module.state_dict())
+    request = GenerationRequest(prompt_ids=torch.ones(2, 3, dtype=torch.long), prompt_mask=torch.ones(2, 3, dtype=torch.bool),
+                                max_new_tokens=4, temperature=1.0, top_p=1.0, stop_ids=(), pad_id=0, seed=1, step=0,
+                                start=0, version=0)
+    piece = engine.generate(request)
+    assert piece["response_mask"].sum().item() == 2
+    if sleeps:
+        assert llm.calls == ["sleep2", "wake:weights", f"reload{tensors}", "reset", "wake:kv_cache", "generate", "sleep2"]
+    else:
+        assert llm.calls == [f"reload{tensors}", "reset", "generate"]
+
+
+def test_a_plan_that_sleeps_an_engine_on_a_cpu_is_refused_at_start(monkeypatch) -> None:
+    from graphrl.errors import RunError
+    from graphrl.executors.engines import EngineContext
+    from graphrl.executors.engines.vllm_engine import VllmEngine
+    from graphrl.executors.models.llama import Llama
+    from graphrl.schemas.model import MODEL_PRESETS
+
+    _fake_vllm(monkeypatch)
+    placement = next(p for p in _plan().chosen.placements if p.kind == "generate").model_copy(
+        update={"engine": "vllm", "sleeps": True})
+    with pytest.raises(RunError, match="sleep mode runs on CUDA only"):
+        VllmEngine.start(placement, Llama(MODEL_PRESETS["tiny-digits"]), torch.float32,
+                         EngineContext(3, torch.device("cpu"), 1, 7, 64))
