@@ -15,6 +15,9 @@
 Target: with calibration, every case's step time within 15% and every phase within 25% of measured
 (phases under 5% of the step are listed, not judged: their absolute error is below the step's noise).
 The final checkpoint is not a step phase (the run writes it after the last step) and is left out.
+Column `machine`: each run's speed after it against the calibration (`graphrl.calibrate.machine_speed`:
+the calibration's largest matmul timed again; 0.90x is a machine 10% slower than when it was calibrated),
+reported beside the error, not used to correct it.
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ def run_case(key: str, case: Case, job: str, calibration: str, out: Path) -> dic
     # The defaults describe a small device (4 GiB); a job larger than that has no default prediction.
     default_step, default_phases = predicted_phases(default_plan) if default.returncode == 0 else (None, {})
     return {"case": case.name, "measured": measured_step, "predicted": report["summary"]["predicted_step_time_s"],
-            "default": default_step, "phases": phases, "default_phases": default_phases}
+            "default": default_step, "phases": phases, "default_phases": default_phases,
+            "machine": report["summary"]["machine_speed"]}
 
 
 def pct(predicted: float | None, measured: float | None) -> float | None:
@@ -149,13 +153,14 @@ def main() -> None:
         rows.append(run_case(key, CASES[key], jobs[key], calibration, out))
 
     print("\nseconds per step (median after warm-up), predicted against measured")
-    print(f"{'case':<44} {'measured':>9} {'calibrated':>11} {'error':>7} {'default':>9} {'error':>7}")
+    print(f"{'case':<44} {'measured':>9} {'calibrated':>11} {'error':>7} {'default':>9} {'error':>7} {'machine':>8}")
     failures = []
     for r in rows:
         err = pct(r["predicted"], r["measured"])
         default = "no fit" if r["default"] is None else f"{r['default']:.4f}"
+        machine = "-" if r["machine"] is None else f"{r['machine']:.2f}x"
         print(f"{r['case']:<44} {r['measured']:>9.4f} {r['predicted']:>11.4f} {fmt_pct(err):>7} "
-              f"{default:>9} {fmt_pct(pct(r['default'], r['measured'])):>7}")
+              f"{default:>9} {fmt_pct(pct(r['default'], r['measured'])):>7} {machine:>8}")
         if err is None or abs(err) > STEP_TARGET_PCT:
             failures.append(f"{r['case']}: step {fmt_pct(err)}")
 

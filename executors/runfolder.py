@@ -22,7 +22,7 @@ from graphrl.errors import OutputError, RunError, format_path
 RUN_RECORD = "run.json"
 # What a run writes into its folder: `--overwrite` deletes these and nothing else.
 RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard", "timeline", "timeline.json",
-               "ledger", "errors", "plan.msgpack", "report.html", RUN_RECORD)
+               "ledger", "errors", "plan.msgpack", "report.html", "machine_speed.json", RUN_RECORD)
 # Settings a resume may change: how long it runs, how often it checkpoints, where and on what it runs.
 RESUMABLE = (("description",), ("cluster",), ("placement",), ("schedule", "steps"), ("schedule", "checkpoint_every"),
              ("run", "out_dir"), ("run", "log_every"), ("run", "tensorboard"), ("run", "device"),

@@ -252,6 +252,27 @@ def measure_matmuls(shapes: set[tuple[int, int]], dtype_bytes: int, threads: int
     return tuple(fits)
 
 
+def machine_speed(hw: HardwareSpec) -> dict[str, Any] | None:
+    """This machine's speed now against its speed when `hw` was calibrated: the calibration's largest
+    matmul (most work per call: its largest weight at its most rows) timed again as `measure_matmuls` timed
+    it, same dtype and threads. `ratio` above 1: faster now. A run's prediction error can then be read
+    beside how far the machine itself moved (a shared VM's speed drifts by 10-25% between hours). None
+    where `hw` holds no measured matmuls (a preset)."""
+    if not hw.matmuls:
+        return None
+    fit = max(hw.matmuls, key=lambda f: f.k * f.n * f.rows[-1])
+    rows, dtype = fit.rows[-1], _TORCH_DTYPES[fit.dtype_bytes]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(fit.threads)
+    try:
+        w, x = torch.randn(fit.n, fit.k, dtype=dtype), torch.randn(rows, fit.k, dtype=dtype)
+        seconds = _best_time(lambda: torch.nn.functional.linear(x, w), repeat=3, min_time_s=0.01)
+    finally:
+        torch.set_num_threads(previous)
+    return {"k": fit.k, "n": fit.n, "rows": rows, "threads": fit.threads, "dtype_bytes": fit.dtype_bytes,
+            "calibrated_s": fit.seconds[-1], "measured_s": seconds, "ratio": fit.seconds[-1] / seconds}
+
+
 def _probe_trainer(model: Any, sharding: str, group: Any) -> Any:
     """`model` as the executor trains it on a probe: wrapped for `sharding` over `group` (none: alone),
     with its optimizer, in a role state `training.update` takes."""

@@ -479,6 +479,9 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
     else:
         remove_records(out_dir)
     record_run(out_dir, loaded.spec, steps=total, start_step=start_step, resumed_from=resume_from)
+    from graphrl.report import MACHINE_SPEED_FILE
+
+    (out_dir / MACHINE_SPEED_FILE).unlink(missing_ok=True)  # it describes the end of the run that wrote it
     settings = None
     if profile is not None:
         from graphrl.executors.profiling import ProfileSettings
@@ -514,6 +517,9 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
     measured = _measured_line(plan, out_dir / "metrics.jsonl", start_step) if outcome.steps_done else None
     if measured is not None:
         click.echo(measured)
+        speed = _machine_speed_line(plan, out_dir)
+        if speed is not None:
+            click.echo(speed)
     if profile is not None:
         click.echo(f"profiles in {profile}: tensorboard --logdir {profile}")
 
@@ -544,6 +550,22 @@ def _measured_line(plan, metrics_path: Path, start_step: int) -> str | None:  # 
     over = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
     error = error_pct(plan.chosen.estimate.step_time_s, seconds)
     return f"measured {seconds:.3g} s/step over {over}" + (f" (prediction {error:+.0f}%)" if error is not None else "")
+
+
+def _machine_speed_line(plan, out_dir: Path) -> str | None:  # noqa: ANN001
+    """On a calibrated machine: one of the calibration's matmuls timed again now, written to the run folder
+    (`graphrl report` shows it) and said, so that the prediction's error can be read beside how far the
+    machine's own speed moved since it was calibrated. None on a preset (nothing measured to compare)."""
+    from graphrl.calibrate import machine_speed
+    from graphrl.report import MACHINE_SPEED_FILE
+
+    speed = machine_speed(plan.hardware)
+    if speed is None:
+        return None
+    (out_dir / MACHINE_SPEED_FILE).write_text(json.dumps(speed))
+    return (f"machine speed {speed['ratio']:.2f}x its calibration's (a {speed['rows']} x {speed['k']} by {speed['k']} x "
+            f"{speed['n']} matmul, {speed['threads']} thread(s): {speed['measured_s'] * 1e3:.2f} ms now, "
+            f"{speed['calibrated_s'] * 1e3:.2f} ms calibrated)")
 
 
 def _resume_hint(job: str, out_dir: Path) -> str:

@@ -46,6 +46,7 @@ from graphrl.schemas.program import INSTRUCTION_TYPES, PHASES, TRAITS
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.msgpack"
 TIMELINE_FILE = "timeline.json"
+MACHINE_SPEED_FILE = "machine_speed.json"  # `graphrl run` on a calibrated machine: its speed against the calibration
 SAMPLES_FILE = "samples.jsonl"
 SAMPLE_STEPS_SHOWN = 3  # the first and the last steps' samples: what the policy said before and after training
 SAMPLE_TEXT_CHARS = 160
@@ -356,6 +357,21 @@ def _clip(text: str, chars: int = SAMPLE_TEXT_CHARS, tail: bool = False) -> str:
     return "..." + flat[-chars + 3:] if tail else flat[:chars - 3] + "..."
 
 
+def read_machine_speed(path: Path, notes: list[str]) -> float | None:
+    """The machine's speed at the end of the run against its calibration (`graphrl.calibrate.machine_speed`'s
+    ratio), where the run measured it; a file that cannot be read is a note, not an error."""
+    if not path.exists():
+        return None
+    try:
+        ratio = json.loads(path.read_text())["ratio"]
+        if not isinstance(ratio, (int, float)) or not ratio > 0:
+            raise ValueError(f"ratio {ratio!r}")
+        return float(ratio)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        notes.append(f"{path.name} cannot be read ({exc}): the machine's speed against its calibration is not shown")
+        return None
+
+
 def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
     """Read a run folder and compute every figure of the report. Raises RunError for a missing folder or a
     missing, empty or corrupted metrics.jsonl or timeline.json (naming the file and line), PlanFileError
@@ -437,6 +453,7 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> "Report":
         "step_time_error_pct": error_pct(predicted_step_s, measured_step_s),
         "tokens_per_s": _mean(_number(r, "tokens_per_s") for r in steady_metrics),
         "wall_s": sum(r["measured_s"] or 0.0 for r in step_rows),
+        "machine_speed": read_machine_speed(run_dir / MACHINE_SPEED_FILE, notes),
     }
     data: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -545,6 +562,7 @@ def _text_parts(d: dict[str, Any]) -> list[Any]:
         (f"seconds per step, measured ({_steady_text(d)})", fmt_seconds(s["measured_step_time_s"])),
         ("seconds per step, predicted", fmt_seconds(s["predicted_step_time_s"])),
         ("prediction error", fmt_pct(s["step_time_error_pct"], signed=True)),
+        *([("machine speed against its calibration", f"{s['machine_speed']:.2f}x")] if s["machine_speed"] else []),
         ("tokens per second", fmt_number(s["tokens_per_s"])),
         ("wall time of all steps", fmt_seconds(s["wall_s"])),
     ]

@@ -299,3 +299,59 @@ def test_long_probe_calls_are_timed_only_in_rounds(monkeypatch):
     rounds = 9
     assert calls["long"] == 1 + rounds  # its warm-up, then the rounds only
     assert calls["short"] > 1 + rounds + 5  # also its own loop: a warm-up, the loop's sizing, five timed loops
+
+
+# -- the machine's speed after a run, against its calibration ---------------------------------------------
+
+
+def test_machine_speed_times_the_calibrations_largest_matmul_again():
+    """The calibration's matmul with the most work per call is timed again as it was measured; its ratio
+    compares the calibrated seconds with now's (above 1: faster now). A preset measured nothing: None."""
+    from graphrl.calibrate import machine_speed
+
+    assert machine_speed(HARDWARE_PRESETS["cpu-local"]) is None
+    small = MatmulFit(k=64, n=64, dtype_bytes=4, threads=1, rows=(1, 8), seconds=(1e-6, 2e-6))
+    large = MatmulFit(k=128, n=96, dtype_bytes=4, threads=1, rows=(1, 16), seconds=(1e-6, 1.0))  # a very slow past
+    speed = machine_speed(CALIBRATED.model_copy(update=dict(matmuls=(small, large))))
+    assert speed is not None
+    assert (speed["k"], speed["n"], speed["rows"], speed["threads"]) == (128, 96, 16, 1)
+    assert speed["calibrated_s"] == 1.0 and 0 < speed["measured_s"] < 1.0
+    assert speed["ratio"] == pytest.approx(1.0 / speed["measured_s"]) and speed["ratio"] > 1
+
+
+def test_a_run_on_a_calibrated_machine_says_and_keeps_its_speed_against_the_calibration(tmp_path, monkeypatch):
+    """`graphrl run` on a calibrated machine times one of the calibration's matmuls after the run, says the
+    ratio beside the prediction's error and writes it to the run folder, where `graphrl report` shows it;
+    a run on the preset writes none, and removes an earlier run's file from the folder."""
+    from graphrl.report import MACHINE_SPEED_FILE, build_report
+
+    fit = MatmulFit(k=64, n=64, dtype_bytes=4, threads=1, rows=(1, 8), seconds=(1e-6, 2e-6))
+    path = _calibration_file(tmp_path, matmuls=[fit.model_dump()])
+    monkeypatch.setenv("GRAPHRL_CALIBRATION", str(path))
+    job = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_tiny.yaml")
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", job, "--steps", "3", "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "machine speed" in result.output and "its calibration's" in result.output
+    saved = json.loads((out / MACHINE_SPEED_FILE).read_text())
+    assert saved["calibrated_s"] == 2e-6 and saved["ratio"] > 0
+    report = build_report(out)
+    assert report.data["summary"]["machine_speed"] == pytest.approx(saved["ratio"])
+    assert "machine speed against its calibration" in CliRunner().invoke(main, ["report", str(out), "--format", "text"]).output
+    monkeypatch.setenv("GRAPHRL_CALIBRATION", "none")
+    again = CliRunner().invoke(main, ["run", job, "--steps", "2", "--out", str(out), "--overwrite", "-q"])
+    assert again.exit_code == 0, again.output
+    assert "machine speed" not in again.output and not (out / MACHINE_SPEED_FILE).exists()
+    assert build_report(out).data["summary"]["machine_speed"] is None
+
+
+def test_a_machine_speed_file_that_cannot_be_read_is_a_note(tmp_path):
+    from graphrl.report import read_machine_speed
+
+    notes: list[str] = []
+    bad = tmp_path / "machine_speed.json"
+    bad.write_text("{not json")
+    assert read_machine_speed(bad, notes) is None and "cannot be read" in notes[0]
+    bad.write_text(json.dumps({"ratio": -1}))
+    assert read_machine_speed(bad, notes) is None and len(notes) == 2
+    assert read_machine_speed(tmp_path / "absent.json", notes) is None and len(notes) == 2
