@@ -20,11 +20,14 @@ from graphrl.schemas.job import Engine, JobSpec, NodeSpec, Precision, Sharding
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.program import Programs, programs_json_schema
 
+# 6: a weight sync into an fp8 generator runs in staging groups (`WeightSyncRecord.staging_layers`), and a
+#    serving engine may sleep between its generations (`RolePlacement.sleeps`): a format-5 executor would
+#    run either plan outside its memory charge.
 # 5: the plan states the step sizes its costs assumed (`workload`: response lengths, mini-batches, packing).
 # 4: the plan binds every node and role for the executors (`RunBindings`); WeightSync names its roles.
 # 3: meshes are one type (devices and named axes); weight syncs typed records.
 # 2: programs are periodic (prologue, one-step body, epilogue per rank); 1 unrolled every step.
-PLAN_FORMAT_VERSION = 5
+PLAN_FORMAT_VERSION = 6
 
 RoleKind = Literal["train", "generate", "infer"]
 
