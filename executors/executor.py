@@ -159,7 +159,8 @@ class RankExecutor:
     def _start_engines(self) -> dict[str, GenerationEngine]:
         """One engine per generator role on this rank (the plan's choice), on the role's current weights."""
         max_model_len = self.data_node.spec.prompt_len + self.gen_node.spec.max_new_tokens
-        context = EngineContext(self.rank, self.rt.device, self.job.run.threads_per_rank, self.seed, max_model_len)
+        context = EngineContext(self.rank, self.rt.device, self.job.run.threads_per_rank, self.seed, max_model_len,
+                                self.plan.hardware.memory_bytes)
         return {name: build_engine(role.placement, role.module, DTYPES[self.job.models[role.placement.model].dtype],
                                    context)
                 for name, role in self.roles.items() if role.placement.kind == "generate"}

@@ -134,6 +134,7 @@ class EngineContext:
     threads: int
     seed: int
     max_model_len: int
+    device_memory_bytes: float = 0.0  # the plan's hardware's memory per device (a GPU engine's budget is a share of it)
 
 
 def rank_cores(rank: int, threads: int) -> list[int]:

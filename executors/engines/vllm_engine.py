@@ -3,8 +3,9 @@
 Imported only when a plan places a generator on `engine: vllm`. One engine per generator replica
 (tensor_parallel_size 1), run in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and eager
 (`enforce_eager=True`), with the KV-cache bytes the plan charged (raised to what one full-length
-sequence needs) instead of vLLM's default share of the device, and on CPU its OpenMP threads bound to
-the rank's own cores.
+sequence needs) instead of vLLM's default share of the device, on a GPU a share of the device that the
+plan's charge fits in (`gpu_memory_share`: vLLM refuses to start where its share is not free, as beside a
+colocated trainer), and on CPU its OpenMP threads bound to the rank's own cores.
 
 Weights: at start the engine loads an HF folder written from the role's module (which holds the job's
 checkpoint, a GGUF file already converted by graphrl's loader, or the preset's seeded initialisation),
@@ -61,6 +62,20 @@ def kv_cache_bytes(module: nn.Module, dtype: torch.dtype, max_model_len: int, pl
     return int(max(planned_bytes, per_token * (max_model_len + _KV_MARGIN_TOKENS)))
 
 
+# Beyond its weights and KV cache, a GPU engine's share of the device leaves room for its activations and
+# workspace (its profile run's peak).
+GPU_ENGINE_HEADROOM = 0.05
+
+
+def gpu_memory_share(placement: RolePlacement, kv_bytes: float, device_memory_bytes: float) -> float:
+    """vLLM's `gpu_memory_utilization` for a GPU engine: the share of the device the plan charges it (its
+    weights and KV cache) plus `GPU_ENGINE_HEADROOM`. vLLM refuses to start where less than that share is
+    free, so an engine beside a resident trainer must not ask for its default 90%."""
+    if device_memory_bytes <= 0:
+        return 0.9  # no budget to go by: vLLM's default
+    return min(0.95, (placement.memory_bytes.engine_weights + kv_bytes) / device_memory_bytes + GPU_ENGINE_HEADROOM)
+
+
 def _reload(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
     """Run on the engine's worker: reload every named tensor in place."""
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
@@ -109,7 +124,9 @@ class VllmEngine:
             llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=_DTYPE_NAMES[dtype],
                       tensor_parallel_size=1, kv_cache_memory_bytes=kv_bytes, max_model_len=context.max_model_len,
                       seed=context.seed, disable_log_stats=True, logprobs_mode="processed_logprobs",
-                      **({"enable_sleep_mode": True} if placement.sleeps else {}))
+                      **({"enable_sleep_mode": True} if placement.sleeps else {}),
+                      **({"gpu_memory_utilization": gpu_memory_share(placement, kv_bytes, context.device_memory_bytes)}
+                         if context.device.type == "cuda" else {}))
         except RunError:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM fails in many ways at start; each is reported the same way

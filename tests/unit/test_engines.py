@@ -298,6 +298,7 @@ def test_a_sleeping_engine_frees_everything_between_generations_and_wakes_on_the
     engine = VllmEngine.start(placement, module, torch.float32, context)
     (llm,) = started
     assert llm.kwargs.get("enable_sleep_mode", False) == sleeps
+    assert ("gpu_memory_utilization" in llm.kwargs) == sleeps  # a share of the device on CUDA only
     engine.weights_updated()
     tensors = len(module.state_dict())
     request = GenerationRequest(prompt_ids=torch.ones(2, 3, dtype=torch.long), prompt_mask=torch.ones(2, 3, dtype=torch.bool),
@@ -324,3 +325,23 @@ def test_a_plan_that_sleeps_an_engine_on_a_cpu_is_refused_at_start(monkeypatch) 
     with pytest.raises(RunError, match="sleep mode runs on CUDA only"):
         VllmEngine.start(placement, Llama(MODEL_PRESETS["tiny-digits"]), torch.float32,
                          EngineContext(3, torch.device("cpu"), 1, 7, 64))
+
+
+def test_a_gpu_engine_asks_for_the_share_of_the_device_the_plan_charges_it(monkeypatch) -> None:
+    """vLLM refuses to start where its `gpu_memory_utilization` share is not free (beside a colocated
+    trainer it is not): a GPU engine asks for its charged weights and KV cache, plus headroom."""
+    from graphrl.executors.engines import EngineContext
+    from graphrl.executors.engines.vllm_engine import GPU_ENGINE_HEADROOM, VllmEngine, gpu_memory_share, kv_cache_bytes
+    from graphrl.executors.models.llama import Llama
+    from graphrl.schemas.model import MODEL_PRESETS
+    from graphrl.schemas.plan import MemoryBytes
+
+    started = _fake_vllm(monkeypatch)
+    module = Llama(MODEL_PRESETS["tiny-digits"])
+    placement = next(p for p in _plan().chosen.placements if p.kind == "generate").model_copy(update={
+        "engine": "vllm", "memory_bytes": MemoryBytes(params=4e9, engine_weights=4e9, kv_cache=12e9)})
+    VllmEngine.start(placement, module, torch.float32, EngineContext(0, torch.device("cuda"), 1, 7, 64, 80e9))
+    kv = kv_cache_bytes(module, torch.float32, 64, 12e9)
+    assert started[0].kwargs["gpu_memory_utilization"] == pytest.approx((4e9 + kv) / 80e9 + GPU_ENGINE_HEADROOM)
+    assert started[0].kwargs["gpu_memory_utilization"] == pytest.approx(0.25)
+    assert gpu_memory_share(placement, 100e9, 80e9) == 0.95 and gpu_memory_share(placement, 1e9, 0.0) == 0.9
