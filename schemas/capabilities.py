@@ -98,6 +98,10 @@ CAPABILITIES: tuple[Capability, ...] = (
                how="float16 training needs loss scaling, which the trainer does not do"),
     Capability(kind="engine", value="native", roles=("generate",), support="runs",
                how="graphrl's own KV-cache sampler (tensor-parallel when tp > 1)"),
+    Capability(kind="engine", value="vllm", roles=("generate",), support="runs",
+               how="a vLLM engine per replica in the rank's process (tp 1, the model's dtype), weights reloaded in "
+                   "place after every sync; colocated with the trainer on GPUs it sleeps between its generations",
+               requires="vllm installed, and pinned (the search never picks an engine)"),
 )
 
 
