@@ -27,7 +27,7 @@ from graphrl.schemas.weightsync import WeightSyncRecord
 
 from graphrl.compiler import timing
 from graphrl.compiler.cost import BF16_BYTES
-from graphrl.ddma import DDMA_BUCKET_BYTES, plan_llama_sync, sync_record, sync_staging_layers
+from graphrl.ddma import DDMA_BUCKET_BYTES, plan_llama_sync, sync_record
 from graphrl.compiler.roles import JobShape
 
 
@@ -77,8 +77,7 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
     plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes)
     spans = timing.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
     seconds = timing.weight_copy_seconds(hw, [r.max_bucket_bytes for r in plan.rounds], spans)
-    return sync_record(plan, model, src, dst, seconds,
-                       staging_layers=sync_staging_layers(dims, dst, precision) or 0), seconds
+    return sync_record(plan, model, src, dst, seconds), seconds
 
 
 def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> list[str]:

@@ -174,11 +174,14 @@ def run_weight_sync(data: WeightSyncRecord, rank: int, src: nn.Module | None, ds
     the wire dtype, completes its KV heads there, and quantizes them into its fp8 layers: the wire
     carries the trainer's bytes, the destination keeps fp8 and scales. A plan made in staging groups
     (`WeightSyncRecord.staging_layers`) runs group by group, staging, quantizing and freeing one group's
-    linears before the next group's first round."""
+    linears before the next group's first round; a record whose groups leave an fp8 weight unstaged is
+    refused after its last group, as a sync that left stale weights."""
     src_shards = module_shards(src)
     wire_dtype = None
+    quantized: set[str] = set()
     for part, group in _staging_parts(data):
         staged = fp8.staging_tensors(dst, group)
+        quantized.update(staged)
         dst_shards = module_shards(dst, staged)
         if wire_dtype is None:
             held = next(iter(src_shards.values()), None) or next(iter(dst_shards.values()), None)
@@ -189,6 +192,11 @@ def run_weight_sync(data: WeightSyncRecord, rank: int, src: nn.Module | None, ds
         if staged:
             fp8.load_staged(dst, staged)  # type: ignore[arg-type]
         del staged, dst_shards  # this group's staging is freed before the next one's is allocated
+    missed = sorted({name for name, _ in fp8.fp8_linears(dst)} - quantized) if quantized else []
+    if missed:
+        raise RunError(f"rank {rank}: the weight sync of {data.model} left {len(missed)} fp8 weights without new "
+                       f"values ({', '.join(missed[:3])}): its staging groups do not cover the model's layers",
+                       fix="recompile the plan with this graphrl")
 
 
 Group = Callable[[str], bool] | None  # the parameters of one staging group; None: every parameter

@@ -34,7 +34,7 @@ import gc
 import heapq
 from collections import defaultdict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain, product
 from math import ceil, prod
 from operator import itemgetter
@@ -124,6 +124,8 @@ class WeightSyncPlan:
     num_pairs: int = 0  # (sender, receiver) pairs with at least one bucket
     # Rounds of each staging group, in order (`plan_weight_sync`'s `group_of`); empty: one group.
     group_rounds: tuple[int, ...] = ()
+    # Layers per staging group where the groups are `staging_group`'s (`plan_llama_sync` into fp8); 0: none.
+    staging_layers: int = 0
 
     @property
     def is_noop(self) -> bool:
@@ -719,10 +721,11 @@ def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
     """The DDMA plan of a Llama model's trainer -> generator copy, from the model's sharding description.
     Into an fp8 generator, in staging groups of layers (`sync_staging_layers`)."""
     layers = sync_staging_layers(dims, dst, precision)
-    return plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
+    plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
                             dst_layout=llama_layout_on(dst), src_bytes_per_elem=WIRE_BYTES_PER_ELEM,
                             dst_bytes_per_elem=PRECISION_BYTES[precision], bucket_bytes=bucket_bytes,
                             group_of=None if layers is None else lambda p: staging_group(p.name, layers))
+    return plan if layers is None else replace(plan, staging_layers=layers)
 
 
 def sync_staging_layers(dims: ModelDims, dst: Mesh, precision: str) -> int | None:
@@ -733,12 +736,11 @@ def sync_staging_layers(dims: ModelDims, dst: Mesh, precision: str) -> int | Non
 
 
 def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicted_s: float,
-                rank: int | None = None, staging_layers: int = 0) -> WeightSyncRecord:
+                rank: int | None = None) -> WeightSyncRecord:
     """The record a plan stores of `plan`: its rounds when they hold at most `MAX_STORED_BUCKETS`
     buckets, else its summary only. With `rank`, the rounds whatever their number, but only the buckets
     and local copies `rank` takes part in (each round in place, maybe empty): what that rank's executor
-    runs, in memory that does not grow with the mesh. The summary always describes the whole sync.
-    `staging_layers`: the layers per staging group the plan was made with (0: not staged)."""
+    runs, in memory that does not grow with the mesh. The summary always describes the whole sync."""
     stored = rank is not None or plan.num_buckets <= MAX_STORED_BUCKETS
 
     def slices(bucket: Any) -> tuple[RecordSlice, ...]:
@@ -748,7 +750,7 @@ def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicte
         return rank is None or rank in ranks
 
     return WeightSyncRecord(
-        model=model, src=src, dst=dst, staging_layers=staging_layers, group_rounds=list(plan.group_rounds),
+        model=model, src=src, dst=dst, staging_layers=plan.staging_layers, group_rounds=list(plan.group_rounds),
         src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
         bucket_bytes=plan.bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=predicted_s,
         rounds=[[RecordBucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets if mine(b.src, b.dst)]
@@ -759,8 +761,7 @@ def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicte
 
 @functools.lru_cache(maxsize=16)
 def _rank_record(dims: ModelDims, model: str, src: Mesh, dst: Mesh, precision: str, rank: int) -> WeightSyncRecord:
-    return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank,
-                       sync_staging_layers(dims, dst, precision) or 0)
+    return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank)
 
 
 def rank_sync_record(plan: Plan, model: str, rank: int) -> WeightSyncRecord:

@@ -219,9 +219,9 @@ def case_sync_fsdp2_to_fp8_tp4_in_staging_groups(rank: int, groups: dict[str, An
         staged_plan = ddma.plan_llama_sync(DIMS, src_mesh, dst_mesh, "fp8")
     finally:
         sharding.STAGING_GROUP_BYTES = bound
-    grouped = ddma.sync_record(staged_plan, "policy", src_mesh, dst_mesh, 0.0, staging_layers=layers or 0)
+    grouped = ddma.sync_record(staged_plan, "policy", src_mesh, dst_mesh, 0.0)
     grouped = WeightSyncRecord.model_validate_json(grouped.model_dump_json())  # as a plan file stores it
-    assert layers == 1 and len(grouped.group_rounds) == DIMS.num_layers, (layers, grouped.group_rounds)
+    assert layers == grouped.staging_layers == 1 and len(grouped.group_rounds) == DIMS.num_layers, grouped.group_rounds
     src = None
     if rank < 2:
         src = seeded_model(DIMS, TRAINED_SEED)

@@ -496,6 +496,7 @@ def test_an_fp8_generators_sync_runs_in_staging_groups_of_layers(monkeypatch) ->
     assert layers == math.ceil(dims.num_layers / MAX_STAGING_GROUPS) == 2
     fp8, bf16 = plan_llama_sync(dims, src, dst, "fp8"), plan_llama_sync(dims, src, dst, "bf16")
     assert len(fp8.group_rounds) == math.ceil(dims.num_layers / layers) and bf16.group_rounds == ()
+    assert fp8.staging_layers == layers and bf16.staging_layers == 0
     params = llama_params(dims)
     start = 0
     for g, num_rounds in enumerate(fp8.group_rounds):

@@ -176,3 +176,36 @@ def test_auto_takes_scaled_mm_on_fp8_tensor_cores_and_falls_back_with_a_warning(
     assert torch.equal(out, slow(x))
     with pytest.raises(RuntimeError):
         forced(x)  # an explicit choice is not overridden
+
+
+def test_a_staged_sync_on_one_rank_quantizes_every_group_and_refuses_one_that_misses_a_group(monkeypatch) -> None:
+    """Trainer and fp8 generator on one rank, the sync planned in staging groups (all of it local copies):
+    group by group, every fp8 weight ends as the trainer's weight quantized. A record whose groups stop short
+    of the model's last layers is refused, naming the weights it would have left stale."""
+    from types import SimpleNamespace
+
+    from graphrl import ddma
+    from graphrl.errors import RunError
+    from graphrl.executors.weightsync import run_weight_sync
+    from graphrl.schemas import sharding
+    from graphrl.schemas.mesh import Mesh
+
+    dims = UNTIED.model_copy(update={"num_layers": 6})
+    mesh = Mesh.contiguous([("dp", 1), ("tp", 1)], 0)
+    monkeypatch.setattr(sharding, "STAGING_GROUP_BYTES", 1)  # a group per two layers (at most 4 groups)
+    record = ddma.sync_record(ddma.plan_llama_sync(dims, mesh, mesh, "fp8"), "policy", mesh, mesh, 0.0, rank=0)
+    assert record.staging_layers == 2 and len(record.group_rounds) == 3 and not any(record.group_rounds)
+    torch.manual_seed(0)
+    src = Llama(dims)
+    cpu = torch.device("cpu")
+    rt = SimpleNamespace(comm_device=cpu, device=cpu)
+    dst = fp8.quantize_generator(Llama(dims))
+    run_weight_sync(record, 0, src, dst, rt)
+    expected = fp8.quantize_generator(Llama(dims))
+    fp8.copy_quantized(expected, src)
+    for (name, got), want in zip(dst.state_dict().items(), expected.state_dict().values()):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == fp8.FP8_DTYPE else got,
+                           want.view(torch.uint8) if want.dtype == fp8.FP8_DTYPE else want), name
+    short = record.model_copy(update={"group_rounds": record.group_rounds[:2]})
+    with pytest.raises(RunError, match="left 14 fp8 weights without new values .model.layers.4"):
+        run_weight_sync(short, 0, src, fp8.quantize_generator(Llama(dims)), rt)
