@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from graphrl.errors import RunError
+from graphrl.errors import FIX_LINE, RunError
 from graphrl.executors.profiling import ProfileSettings, merge_timeline
 from graphrl.plan_io import load_plan, save_plan
 from graphrl.schemas.capabilities import plan_refusals
@@ -162,7 +162,7 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
     if metrics_path.exists():
         offset = metrics_path.stat().st_size
     steps_done = 0
-    failure: tuple[int, str] | None = None
+    failure: tuple[int, str, str | None] | None = None
     try:
         while True:
             rows, offset = _read_metrics(metrics_path, offset)
@@ -178,12 +178,12 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
             if not alive:
                 break
             if timeout_s is not None and time.perf_counter() - started > timeout_s:
-                failure = (-1, f"the run exceeded its time limit of {timeout_s:.0f} s")
+                failure = (-1, f"the run exceeded its time limit of {timeout_s:.0f} s", None)
                 break
             time.sleep(0.1)
     except (Terminated, KeyboardInterrupt) as exc:
         what = "sent SIGTERM" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
-        failure = (-1, f"the run was {what}; every rank was ended")
+        failure = (-1, f"the run was {what}; every rank was ended", None)
     finally:
         _end_all(procs)
         if main_thread:
@@ -195,10 +195,10 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
             on_metrics(row)
     merge_timeline(timeline, out_dir / "timeline.json", append=start_step > 0)
     if failure is not None:
-        rank, message = failure
+        rank, message, rank_fix = failure
         where = f"rank {rank}" if rank >= 0 else "the run"
-        raise RunError(f"{where} failed: {message}", fix=_continue_fix(out_dir, errors if rank >= 0 else None,
-                                                                       resume_hint))
+        fix = _continue_fix(out_dir, errors if rank >= 0 else None, resume_hint)
+        raise RunError(f"{where} failed: {message}", fix=f"{rank_fix}; {fix}" if rank_fix else fix)
     return RunOutcome(out_dir, steps_done, time.perf_counter() - started)
 
 
@@ -224,10 +224,11 @@ def _raise_terminated(signum: int, frame: Any) -> None:  # noqa: ARG001
     raise Terminated("terminated by SIGTERM")
 
 
-def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int, str]:
-    """The root cause among the failed ranks: a rank killed by a signal (it could write nothing: the OOM
-    killer, a `kill`), else the rank that wrote its error first; its peers die of its consequences (their
-    collectives fail as soon as its process is gone, often before the launcher has seen it exit)."""
+def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int, str, str | None]:
+    """The root cause among the failed ranks, as (rank, message, the rank's own fix if it named one): a
+    rank killed by a signal (it could write nothing: the OOM killer, a `kill`), else the rank that wrote
+    its error first; its peers die of its consequences (their collectives fail as soon as its process is
+    gone, often before the launcher has seen it exit)."""
     time.sleep(0.2)
     for rank, proc in failed:
         code = proc.exitcode
@@ -236,14 +237,17 @@ def _describe_failure(failed: list[tuple[int, Any]], errors: Path) -> tuple[int,
                 name = signal.Signals(-code).name
             except ValueError:
                 name = str(-code)
-            return rank, f"killed by signal {name}"
+            return rank, f"killed by signal {name}", None
     written = [(path.stat().st_mtime_ns, int(path.stem.removeprefix("rank")), path)
                for path in errors.glob("rank*.txt")]
     if written:
         _, rank, path = min(written, key=lambda e: e[:2])
-        return rank, path.read_text().splitlines()[0]
+        lines = path.read_text().splitlines()
+        # a graphrl error renders its remedy on the next line; it leads the launcher's own
+        fix = lines[1].removeprefix(FIX_LINE) if len(lines) > 1 and lines[1].startswith(FIX_LINE) else None
+        return rank, lines[0], fix
     rank, proc = failed[0]
-    return rank, f"exited with code {proc.exitcode}"
+    return rank, f"exited with code {proc.exitcode}", None
 
 
 def _end_all(procs: list[Any]) -> None:

@@ -42,6 +42,9 @@ class Location:
         return ":".join(parts)
 
 
+FIX_LINE = "  fix: "  # how `render` begins the line of the remedy (the launcher reads it back from a rank's error)
+
+
 class GraphRLError(Exception):
     """A user's mistake: the message, where it is, and how to fix it."""
 
@@ -75,7 +78,7 @@ class GraphRLError(Exception):
         if self.path:
             place.append(format_path(self.path))
         head = ": ".join(place + [self.message]) if place else self.message
-        return head if not self.fix else f"{head}\n  fix: {self.fix}"
+        return head if not self.fix else f"{head}\n{FIX_LINE}{self.fix}"
 
     def __str__(self) -> str:
         return self.render()

@@ -81,6 +81,10 @@ def _reload(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
 class VllmEngine:
     """One vLLM `LLM` in this process, sampling token ids (no tokenizer: prompts arrive tokenized)."""
 
@@ -133,8 +137,8 @@ class VllmEngine:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise RunError(f"rank {context.rank}: the vLLM engine of role {placement.role} failed to start "
                            f"({type(exc).__name__}: {reason})",
-                           fix=f"check that the model's architecture is one vLLM runs and that {kv_bytes / 2**20:.0f} "
-                               "MiB of KV cache fit next to the weights; or use engine: native") from None
+                           fix=f"check that the model's architecture is one vLLM runs and that {_size(kv_bytes)} of KV "
+                               "cache fit next to the weights; or use engine: native") from None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         engine = cls(llm, module, placement.role, context.rank, sleeps=placement.sleeps)

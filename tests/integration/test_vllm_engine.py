@@ -161,3 +161,22 @@ def test_two_grpo_steps_of_the_smollm2_example_on_vllm(tmp_path) -> None:
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert {row["step"] for row in samples} == {0, 1}
     assert any(row["response"].strip() for row in samples)
+
+
+def test_an_engine_without_room_for_its_kv_cache_is_refused_naming_the_role_rank_and_cause(monkeypatch) -> None:
+    """vLLM itself refuses a KV cache smaller than one block; the rank's error says which engine, and why."""
+    import graphrl.executors.engines.vllm_engine as vllm_engine
+    from graphrl.errors import RunError
+    from graphrl.executors.engines import EngineContext, build_engine
+    from graphrl.executors.models.llama import Llama
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
+
+    monkeypatch.setattr(vllm_engine, "kv_cache_bytes", lambda *args, **kwargs: 4096)
+    placement = RolePlacement(role="policy/generate", model="policy", kind="generate", ops=["rollout"], mesh="all",
+                              engine="vllm", memory_bytes=MemoryBytes(kv_cache=4096))
+    with pytest.raises(RunError) as refused:
+        build_engine(placement, Llama(_dims()).float(), torch.float32,
+                     EngineContext(rank=3, device=torch.device("cpu"), threads=2, seed=0, max_model_len=18))
+    assert "rank 3: the vLLM engine of role policy/generate failed to start" in refused.value.message
+    assert "cache blocks" in refused.value.message  # vLLM's own reason
+    assert refused.value.fix is not None and "4,096 bytes of KV cache" in refused.value.fix
