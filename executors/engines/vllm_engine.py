@@ -77,8 +77,20 @@ def gpu_memory_share(placement: RolePlacement, kv_bytes: float, device_memory_by
 
 
 def _reload(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Run on the engine's worker: reload every named tensor in place."""
+    """Run on the engine's worker: reload every named tensor in place.
+
+    A tied output head reads the embedding, which the reload fills; but vLLM's CPU backend packs the
+    head's view of it for its GEMM once, after loading, and an in-place reload re-processes only the
+    layers whose weights it loaded (a tied head has none of its own). Left alone, the head would keep
+    the first weights for the whole run, so it is tied again and re-processed here (on GPUs, where
+    nothing is packed, this reads the same tensor)."""
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    model = worker.model_runner.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    config = getattr(model, "config", None)
+    if head is not None and embed is not None and getattr(config, "tie_word_embeddings", False):
+        head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
 
 
 def _size(n: int) -> str:

@@ -155,8 +155,9 @@ def test_two_grpo_steps_of_the_smollm2_example_on_vllm(tmp_path) -> None:
     assert "generate on vllm" in plan.stdout
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics] == [0, 1]
-    for row in metrics:  # a synchronous step: engine and trainer at the same weights, fp32 both
-        assert 0 <= row["mismatch_abs_mean"] <= row["mismatch_abs_max"] < 0.05
+    for row in metrics:  # a synchronous step: engine and trainer at the same weights, fp32 both (SmolLM2's
+        # head is tied: a stale packed head showed here as 3e-3 after the first update)
+        assert 0 <= row["mismatch_abs_mean"] <= row["mismatch_abs_max"] < 1e-3
         assert row["mismatch_outside_rho"] == 0.0
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert {row["step"] for row in samples} == {0, 1}
