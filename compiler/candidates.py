@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from graphrl.errors import PlacementError
-from graphrl.engine_support import ENGINE_MAX_TP, ENGINE_PRECISIONS, VLLM_INSTALL, engine_available
+from graphrl.engine_support import ENGINE_PRECISIONS, VLLM_INSTALL, engine_available
 from graphrl.ir import JobGraph
 from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
@@ -343,11 +343,6 @@ def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target:
         if target == "run" and not engine_available(engine):
             raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
                                  path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")
-        max_tp = ENGINE_MAX_TP[engine]
-        if max_tp is not None and hint.tp is not None and hint.tp > max_tp:
-            raise PlacementError(f"engine {engine!r} runs one replica per rank here (tp <= {max_tp}), tp {hint.tp} "
-                                 "is pinned", path=path + ("tp",),
-                                 fix=f"pin tp: {max_tp} (more replicas with dp), or engine: native")
         if hint.precision is not None and hint.precision not in ENGINE_PRECISIONS[engine]:
             raise PlacementError(f"engine {engine!r} does not run precision {hint.precision!r}",
                                  path=path + ("precision",),

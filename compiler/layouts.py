@@ -7,7 +7,6 @@ One enumeration serves the search (`compiler/placement.py`) and the up-front pin
 
 from __future__ import annotations
 
-from graphrl.engine_support import ENGINE_MAX_TP
 from graphrl.schemas.job import RoleHint, parse_device_range
 from graphrl.schemas.sharding import tp_split_problem
 
@@ -49,12 +48,9 @@ def train_shapes(role: Role, hint: RoleHint, num_devices: int, devices_per_node:
 
 
 def generate_shapes(role: Role, hint: RoleHint, num_devices: int, devices_per_node: int) -> list[int]:
-    """tp of every generator layout (replicas of tp shards) over `num_devices` devices that honours the pins
-    and that the pinned engine runs."""
-    max_tp = ENGINE_MAX_TP[hint.engine or "native"]
+    """tp of every generator layout (replicas of tp shards) over `num_devices` devices that honours the pins."""
     return [tp for tp in tp_choices(role, hint, num_devices, devices_per_node)
-            if num_devices % tp == 0 and (not hint.dp or hint.dp * tp == num_devices)
-            and (max_tp is None or tp <= max_tp)]
+            if num_devices % tp == 0 and (not hint.dp or hint.dp * tp == num_devices)]
 
 
 def device_splits(num_devices: int, devices_per_node: int, gen_range: str | None,

@@ -152,13 +152,19 @@ def engine_resident(role: Role, tp: int, precision: str, engine: str, kv_tokens:
     return engine_weights(role, tp, precision, engine) + kv_tokens * gen_kv_per_token(role, tp)
 
 
-def gen_sync_staging(role: Role, tp: int, precision: str, *, colocated: bool) -> float:
-    """Bytes per device an fp8 generator holds beside its weights while a weight sync fills it: the block
-    linears of one staging group of layers (`staging_layers`; the sync runs group by group) of its shard at
-    the trainer's dtype, received whole before they are quantized (`executors.fp8.staging_tensors`). A
-    colocated tp-1 generator quantizes the trainer's weights tensor by tensor (none staged); a generator at
-    the model's precision receives straight into its weights."""
-    if precision != "fp8" or (colocated and tp == 1):
-        return 0.0
-    layers = staging_layers(role.dims, tp)
-    return cost.layer_linear_params(role.dims) * layers / tp * max(role.weight_bytes, cost.BF16_BYTES)
+def gen_sync_staging(role: Role, tp: int, precision: str, *, colocated: bool, engine: str = "native") -> float:
+    """Bytes per device a generator holds beside its weights while a weight sync fills it:
+    - fp8: the block linears of one staging group of layers (`staging_layers`; the sync runs group by
+      group) of its shard at the trainer's dtype, received whole before they are quantized
+      (`executors.fp8.staging_tensors`). A colocated tp-1 generator quantizes the trainer's weights tensor
+      by tensor (none staged); a generator at the model's precision receives straight into its weights.
+    - a vLLM engine over a tensor-parallel replica: the whole weights, gathered from the replica's shards
+      on its first rank for the engine's reload (its workers cut their own shards); charged on every rank
+      of the replica."""
+    staging = 0.0
+    if precision == "fp8" and not (colocated and tp == 1):
+        layers = staging_layers(role.dims, tp)
+        staging += cost.layer_linear_params(role.dims) * layers / tp * max(role.weight_bytes, cost.BF16_BYTES)
+    if engine == "vllm" and tp > 1:
+        staging += gen_weights(role, 1, precision)
+    return staging

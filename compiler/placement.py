@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from graphrl.errors import PlacementError
 from graphrl.ddma import DDMA_BUCKET_BYTES
-from graphrl.engine_support import ENGINE_MAX_TP, ENGINE_PRECISIONS
+from graphrl.engine_support import ENGINE_PRECISIONS, engine_sleeps
 from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
@@ -43,7 +43,6 @@ from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
-from graphrl.engine_support import engine_sleeps
 from graphrl.compiler.memory import (MeshMemory, engine_resident, gen_kv_per_token, gen_per_sequence, gen_sync_staging,
                                      gen_weights, held_weights, infer_state, resident_while_generating, train_state,
                                      trainer_mesh_memory)
@@ -328,11 +327,11 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
                            f"the {engine} engine keeps its weights and KV cache ({kept / GB:.1f} GB per device) "
                            f"while the trainer's phases need {mem.peak / GB:.1f} GB (it cannot sleep on "
                            f"{p.hw.kind.upper()}s)")
-        staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=True)
+        staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=True, engine=engine)
         need = resident + gen_weights(g, gen.tp, gen.precision) + staging + kept
         if staging and need > p.usable:
             return _reject(ev, g.name, need, p.usable,
-                           f"the fp8 generator's weight sync stages {staging / GB:.1f} GB per device beside its "
+                           f"the generator's weight sync stages {staging / GB:.1f} GB per device beside its "
                            f"weights and {resident / GB:.1f} GB of trainer state")
         phases["generate"] = res[0]
         phases["reshard_in_place"] = reshard_in_place_time(p, train, gen)[0]
@@ -358,11 +357,11 @@ def _gen_half(p: Problem, gen: GenCfg) -> tuple[float, str | None, float]:
         need = weights + gen_per_sequence(p, g, gen.tp)
         return math.inf, (f"generator weights {weights / GB:.1f} GB per device{_with_engine_copy(engine)} leave no "
                           f"room for the KV cache ({p.usable / GB:.1f} GB usable)"), need
-    staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False)
+    staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False, engine=engine)
     need = gen_weights(g, gen.tp, gen.precision) + staging + engine_resident(g, gen.tp, gen.precision, engine,
                                                                             res.kv_tokens)
     if need > p.usable:
-        return math.inf, (f"the fp8 generator's weight sync stages {staging / GB:.1f} GB per device beside its "
+        return math.inf, (f"the generator's weight sync stages {staging / GB:.1f} GB per device beside its "
                           f"weights ({p.usable / GB:.1f} GB usable)"), need
     return res[0], None, 0.0
 
@@ -476,9 +475,7 @@ def no_fit_error(p: Problem, rejected: list[Evaluated]) -> PlacementError:
         engine = p.engine_of(p.generator.name)  # only what this engine runs is offered
         if nearest.gen.precision == "bf16" and p.hw.peak_fp8_flops > 0 and "fp8" in ENGINE_PRECISIONS[engine]:
             fixes.append("fp8 generation (precision: fp8)")
-        max_tp = ENGINE_MAX_TP[engine]
-        if max_tp is None or nearest.gen.tp * 2 <= max_tp:
-            fixes.append(f"a larger generator tp (tp: {nearest.gen.tp * 2})")
+        fixes.append(f"a larger generator tp (tp: {nearest.gen.tp * 2})")
         if engine != "native":
             fixes.append("engine: native (no second copy of the weights, a cache that lives for one generation)")
     else:

@@ -122,21 +122,21 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                 detail=(f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards" if b else
                         "the generator reads the trainer's weights in place")
                 + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")
-                + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
+                + _engine_reload(engine, gen.tp)))
             resident = resident_while_generating(mem)
-            synced = gmem.params + gen_sync_staging(g, gen.tp, gen.precision, colocated=True)
+            synced = gmem.params + gen_sync_staging(g, gen.tp, gen.precision, colocated=True, engine=engine)
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak + kept, resident + gmem.total,
                                                                                resident + synced + kept),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))
         else:
-            staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False)
+            staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False, engine=engine)
             t, b = weight_sync_time(p, train, gen)
             operations.append(Operation(
                 kind="weight_sync", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
                 detail=f"DDMA point-to-point, {train.n} senders -> {gen.n} receivers ({gen.dp} replicas x tp{gen.tp})"
                        + (f", fp8: received at the trainer's dtype ({staging / 2**30:.2f} GiB staged per device, "
                           f"{_staging_groups(g, gen.tp)}) and quantized" if gen.precision == "fp8" else "")
-                       + (", then reloaded into the vLLM engine" if engine == "vllm" else "")))
+                       + _engine_reload(engine, gen.tp)))
             t, b = rollout_transfer_time(p, p.spans(min(train.first, gen.first), train.n + gen.n))
             operations.append(Operation(kind="reshard", src=g.name, dst=trainer_mesh, num_bytes=b, time_s=t,
                                         detail=f"rollouts from {gen.dp} generator replicas to {train.dp * train.fsdp} trainer ranks, balanced by tokens"))
@@ -165,3 +165,12 @@ def summaries(result: SearchResult, limit: int = 200) -> list[CandidateSummary]:
     for e in (firsts + rest)[: limit - len(out)]:
         out.append(CandidateSummary(label=e.label, strategy=e.strategy, fits=False, reason=e.reason))
     return out
+
+
+def _engine_reload(engine: str, tp: int) -> str:
+    """How a weight sync's operation ends for the generator's engine (the preview's detail)."""
+    if engine != "vllm":
+        return ""
+    if tp == 1:
+        return ", then reloaded into the vLLM engine"
+    return ", then reloaded into each replica's vLLM engine as whole tensors gathered on its first rank"

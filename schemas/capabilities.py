@@ -99,8 +99,9 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability(kind="engine", value="native", roles=("generate",), support="runs",
                how="graphrl's own KV-cache sampler (tensor-parallel when tp > 1)"),
     Capability(kind="engine", value="vllm", roles=("generate",), support="runs",
-               how="a vLLM engine per replica in the rank's process (tp 1, the model's dtype), weights reloaded in "
-                   "place after every sync; colocated with the trainer on GPUs it sleeps between its generations",
+               how="a vLLM engine per replica, at the model's dtype: in the rank's process, or with tp > 1 on the "
+                   "replica's first rank with a worker per rank; weights reloaded in place after every sync; "
+                   "colocated with the trainer on GPUs it sleeps between its generations",
                requires="vllm installed, and pinned (the search never picks an engine)"),
 )
 

@@ -1,8 +1,9 @@
 """A vLLM engine as a generator replica: started in the rank's own process, fed the role's weights.
 
-Imported only when a plan places a generator on `engine: vllm`. One engine per generator replica
-(tensor_parallel_size 1), run in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and eager
-(`enforce_eager=True`), with the KV-cache bytes the plan charged (raised to what one full-length
+Imported only when a plan places a generator on `engine: vllm`. One engine per generator replica, run
+in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and eager (`enforce_eager=True`); a replica of tp ranks
+runs it on its first rank with `tensor_parallel_size` tp and vLLM's worker processes, one per rank of the
+replica, on that rank's cores or device (see `VllmEngine`), with the KV-cache bytes the plan charged (raised to what one full-length
 sequence needs) instead of vLLM's default share of the device, on a GPU a share of the device that the
 plan's charge fits in (`gpu_memory_share`: vLLM refuses to start where its share is not free, as beside a
 colocated trainer), and on CPU its OpenMP threads bound to the rank's own cores.
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from graphrl.errors import RunError
@@ -48,6 +50,7 @@ from graphrl.schemas.job import Engine
 from graphrl.schemas.plan import RolePlacement
 
 from graphrl.executors.engines import EngineContext, GenerationRequest, pad_piece, rank_cores, response_seed
+from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # vLLM needs room for at least one sequence of the model's length; blocks round it up.
@@ -98,34 +101,57 @@ def _size(n: int) -> str:
 
 
 class VllmEngine:
-    """One vLLM `LLM` in this process, sampling token ids (no tokenizer: prompts arrive tokenized)."""
+    """One vLLM `LLM` per generator replica, sampling token ids (no tokenizer: prompts arrive tokenized).
+
+    A replica of one rank runs the engine in its own process. A tensor-parallel replica (tp ranks, each
+    holding its shards of the role's module, `TensorParallelLlama`) runs one engine on its first rank with
+    `tensor_parallel_size` = tp: vLLM's worker processes, one per rank of the replica, each bound to that
+    rank's cores (on CUDA, its device). The replica's ranks gather their shards into whole tensors on the
+    first rank to start and to reload the engine (one gather per tensor; vLLM's workers cut their own
+    shards), and receive the first rank's responses (one broadcast), so every rank of the replica holds
+    the piece the native tensor-parallel sampler would have given it."""
 
     name: Engine = "vllm"
 
-    def __init__(self, llm: Any, module: nn.Module, role: str, rank: int, *, sleeps: bool = False) -> None:
-        self.llm = llm
+    def __init__(self, llm: Any, module: nn.Module, role: str, rank: int, *, sleeps: bool = False,
+                 group: TensorParallelGroup | None = None) -> None:
+        self.llm = llm  # None on a tensor-parallel replica's other ranks
         self.module = module
         self.role = role
         self.rank = rank
         self.sleeps = sleeps
+        self.group = group
         self.asleep = False
         self.last_sync_s = 0.0
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank runs the replica's engine (the only rank of a tp-1 replica, else the first)."""
+        return self.group is None or self.group.rank == 0
 
     @classmethod
     def start(cls, placement: RolePlacement, module: nn.Module, dtype: torch.dtype,
               context: EngineContext) -> "VllmEngine":
-        """Start the engine on the weights `module` holds now; a failure names the role, rank and cause."""
-        if placement.tp != 1:
-            raise RunError(f"rank {context.rank}: role {placement.role} runs on vLLM with tp={placement.tp}; "
-                           "this executor runs vLLM engines with one rank per replica", fix="pin tp: 1 for this role")
+        """Start the engine on the weights `module` holds now (a collective over a tensor-parallel replica);
+        a failure names the role, rank and cause."""
+        group = _replica_group(placement, module, context)
         if placement.sleeps and context.device.type != "cuda":
             raise RunError(f"rank {context.rank}: the plan puts the vLLM engine of role {placement.role} to sleep "
                            f"between generations, but vLLM's sleep mode runs on CUDA only (this rank runs on "
                            f"{context.device.type})", fix="compile the job for the hardware it runs on")
+        members = _replica_members(group, context)
+        weights = dict(module.gather_full()) if group is not None else None  # type: ignore[operator]
+        engine = cls(None, module, placement.role, context.rank, sleeps=placement.sleeps, group=group)
+        if not engine.leads:
+            if engine.sleeps:
+                engine.asleep = True
+            return engine
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if context.device.type == "cpu":
-            cores = rank_cores(context.rank, context.threads)
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        if context.device.type == "cpu":  # each worker on its rank's cores ("|" between workers)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, rank_cores(r, context.threads)))
+                                                            for r, _ in members)
+        elif group is not None:  # the workers of a tp replica, one per device of the replica, in its order
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(device) for _, device in members)
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -134,12 +160,17 @@ class VllmEngine:
         kv_bytes = kv_cache_bytes(module, dtype, context.max_model_len, placement.memory_bytes.kv_cache)
         folder = Path(tempfile.mkdtemp(prefix=f"graphrl-vllm-rank{context.rank}-"))
         try:
-            from graphrl.executors.models.llama import save_hf_checkpoint
+            from graphrl.executors.models.llama import save_hf_state
 
-            save_hf_checkpoint(module, module.dims, folder)  # type: ignore[arg-type]
+            save_hf_state(weights if weights is not None else module.state_dict(), module.dims, folder)  # type: ignore[arg-type]
+            parallel = ({"tensor_parallel_size": placement.tp, "distributed_executor_backend": "mp"}
+                        if group is not None else {"tensor_parallel_size": 1})
+            if group is not None:
+                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # never fork a rank's threads
+            del weights
             llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=_DTYPE_NAMES[dtype],
-                      tensor_parallel_size=1, kv_cache_memory_bytes=kv_bytes, max_model_len=context.max_model_len,
-                      seed=context.seed, disable_log_stats=True, logprobs_mode="processed_logprobs",
+                      kv_cache_memory_bytes=kv_bytes, max_model_len=context.max_model_len,
+                      seed=context.seed, disable_log_stats=True, logprobs_mode="processed_logprobs", **parallel,
                       **({"enable_sleep_mode": True} if placement.sleeps else {}),
                       **({"gpu_memory_utilization": gpu_memory_share(placement, kv_bytes, context.device_memory_bytes)}
                          if context.device.type == "cuda" else {}))
@@ -153,17 +184,41 @@ class VllmEngine:
                                "cache fit next to the weights; or use engine: native") from None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        engine = cls(llm, module, placement.role, context.rank, sleeps=placement.sleeps)
+        engine.llm = llm
         if engine.sleeps:
             engine.sleep()  # until its first generation
         return engine
 
     def generate(self, request: GenerationRequest) -> dict[str, Tensor]:
+        if self.asleep:
+            self.wake_up()
+        n, length = request.prompt_ids.shape[0], request.max_new_tokens
+        response_ids = torch.full((n, length), request.pad_id, dtype=torch.int64)
+        response_mask = torch.zeros(n, length, dtype=torch.int64)
+        logprobs = torch.zeros(n, length, dtype=torch.float32)
+        if self.leads:
+            for i, completion in enumerate(self._sample(request)):
+                tokens = list(completion.token_ids)[:length]
+                response_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+                response_mask[i, :len(tokens)] = 1
+                logprobs[i, :len(tokens)] = torch.tensor(
+                    [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)], dtype=torch.float32)
+            if self.sleeps:
+                self.sleep()
+        elif self.sleeps:
+            self.asleep = True
+        if self.group is not None:  # the replica's other ranks receive what its engine sampled
+            first = dist.get_process_group_ranks(self.group.group)[0]
+            for t in (response_ids, response_mask, logprobs):
+                dist.broadcast(t, src=first, group=self.group.group)
+        device = request.prompt_ids.device
+        return pad_piece(request, response_ids.to(device), response_mask.to(device, torch.bool), logprobs.to(device))
+
+    def _sample(self, request: GenerationRequest) -> list[Any]:
+        """The engine's completion of each prompt of `request` (on the rank that runs it)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.asleep:
-            self.wake_up()
         n = request.prompt_ids.shape[0]
         ids, mask = request.prompt_ids.cpu(), request.prompt_mask.cpu().bool()
         prompts = [TokensPrompt(prompt_token_ids=ids[i][mask[i]].tolist()) for i in range(n)]
@@ -178,21 +233,7 @@ class VllmEngine:
             raise RunError(f"rank {self.rank}: the vLLM engine of role {self.role} failed while generating step "
                            f"{request.step} ({type(exc).__name__}: {str(exc)[:300]})",
                            fix="the last checkpoint is intact: resume from it, or use engine: native") from None
-        if self.sleeps:
-            self.sleep()
-        length = request.max_new_tokens
-        response_ids = torch.full((n, length), request.pad_id, dtype=torch.int64)
-        response_mask = torch.zeros(n, length, dtype=torch.bool)
-        logprobs = torch.zeros(n, length, dtype=torch.float32)
-        for i, out in enumerate(outputs):
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)[:length]
-            response_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-            response_mask[i, :len(tokens)] = True
-            logprobs[i, :len(tokens)] = torch.tensor([step[tok].logprob for tok, step in zip(tokens, completion.logprobs)],
-                                                     dtype=torch.float32)
-        device = request.prompt_ids.device
-        return pad_piece(request, response_ids.to(device), response_mask.to(device), logprobs.to(device))
+        return [out.outputs[0] for out in outputs]
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> float:
         """Reload named full tensors (checkpoint names) into the running engine; seconds it took."""
@@ -208,11 +249,26 @@ class VllmEngine:
         self.last_sync_s = time.perf_counter() - started
         return self.last_sync_s
 
+    def _reload_module(self) -> None:
+        """Reload the role's module into the engine: its tensors, or on a tensor-parallel replica the whole
+        tensors gathered from every rank's shards (a collective over the replica)."""
+        if self.group is None:
+            self.load_weights(self.module.state_dict().items())
+            return
+        started = time.perf_counter()
+        weights = self.module.gather_full()  # type: ignore[operator]
+        if self.leads:
+            self.load_weights(list(weights))
+            self.last_sync_s = time.perf_counter() - started
+        else:
+            for _ in weights:
+                pass
+
     def weights_updated(self) -> None:
         """Reload the role's module (the staging tensors the sync filled) into the engine; an engine asleep
         takes them when it wakes."""
         if not self.asleep:
-            self.load_weights(self.module.state_dict().items())
+            self._reload_module()
 
     def sleep(self) -> None:
         """Free the engine's weights and KV cache (level 2: nothing kept on the host)."""
@@ -220,11 +276,14 @@ class VllmEngine:
         self.asleep = True
 
     def wake_up(self) -> None:
-        """Allocate the weights, fill them from the role's module, then allocate the KV cache."""
-        self._call("wake", lambda: self.llm.wake_up(tags=["weights"]))
+        """Allocate the weights, fill them from the role's module, then allocate the KV cache (every rank of
+        a tensor-parallel replica takes part in the fill)."""
+        if self.leads:
+            self._call("wake", lambda: self.llm.wake_up(tags=["weights"]))
         self.asleep = False
-        self.load_weights(self.module.state_dict().items())
-        self._call("wake", lambda: self.llm.wake_up(tags=["kv_cache"]))
+        self._reload_module()
+        if self.leads:
+            self._call("wake", lambda: self.llm.wake_up(tags=["kv_cache"]))
 
     def _call(self, what: str, call: Any) -> None:
         try:
@@ -235,8 +294,31 @@ class VllmEngine:
                            fix="the last checkpoint is intact: resume from it, or use engine: native") from None
 
     def close(self) -> None:
-        """Drop the engine (in process: its memory goes with the last reference)."""
+        """Drop the engine (in process: its memory goes with the last reference). A tensor-parallel
+        engine's workers end with this process: vLLM's explicit shutdown would also destroy the rank's
+        own default process group, which the run still uses."""
         self.llm = None
+
+
+def _replica_group(placement: RolePlacement, module: nn.Module, context: EngineContext) -> TensorParallelGroup | None:
+    """The tensor-parallel group of this rank's replica (None for a replica of one rank)."""
+    if placement.tp == 1:
+        return None
+    if not isinstance(module, TensorParallelLlama) or module.tp.size != placement.tp:
+        raise RunError(f"rank {context.rank}: role {placement.role} runs on vLLM with tp={placement.tp}, but its "
+                       "module is not cut into that many tensor-parallel shards", fix="recompile the plan")
+    return module.tp
+
+
+def _replica_members(group: TensorParallelGroup | None, context: EngineContext) -> list[tuple[int, int]]:
+    """(global rank, device index) of every rank of the replica, in its order: the cores and devices its
+    engine's workers use (a collective over a tensor-parallel replica)."""
+    device = context.device.index if context.device.index is not None else 0
+    if group is None:
+        return [(context.rank, device)]
+    members: list[Any] = [None] * group.size
+    dist.all_gather_object(members, (context.rank, device), group=group.group)
+    return [tuple(m) for m in members]
 
 
 __all__ = ["VllmEngine", "kv_cache_bytes"]

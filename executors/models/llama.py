@@ -890,11 +890,16 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]
 
 def save_hf_checkpoint(model: Llama | LlamaCritic, dims: ModelDims, folder: str | Path) -> None:
     """Write config.json + model.safetensors that `transformers` and `load_hf_checkpoint` read back."""
+    save_hf_state(model.state_dict(), dims, folder)
+
+
+def save_hf_state(state: Mapping[str, Tensor], dims: ModelDims, folder: str | Path) -> None:
+    """`save_hf_checkpoint` of named full tensors (a model whose weights were gathered from shards)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state_dict = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    state_dict = {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}
     dtype = next(iter(state_dict.values())).dtype
     (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
     # HF refuses safetensors files without format metadata.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,11 +24,11 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reaso
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _dims():  # noqa: ANN202
+def _dims(*, tied: bool = False):  # noqa: ANN202
     from graphrl.schemas.model import ModelDims
 
     return ModelDims(vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
-                     num_kv_heads=1, max_seq_len=128, rope_theta=10000.0)
+                     num_kv_heads=1, max_seq_len=128, rope_theta=10000.0, tie_embeddings=tied)
 
 
 def _request(seed: int = 0, step: int = 0, start: int = 0, temperature: float = 1.0):  # noqa: ANN202
@@ -181,3 +182,89 @@ def test_an_engine_without_room_for_its_kv_cache_is_refused_naming_the_role_rank
     assert "rank 3: the vLLM engine of role policy/generate failed to start" in refused.value.message
     assert "cache blocks" in refused.value.message  # vLLM's own reason
     assert refused.value.fix is not None and "4,096 bytes of KV cache" in refused.value.fix
+
+
+def _tensor_parallel_replica(rank: int, port: int, out: str) -> None:
+    """One rank of a tp-2 generator replica on vLLM (see the test below); rank 0 writes what it saw."""
+    import os
+
+    import torch.distributed as dist
+
+    from graphrl.executors.engines import EngineContext, build_engine
+    from graphrl.executors.models.llama import Llama, sampling_temperature, token_logprobs_and_entropy
+    from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    # 2 heads, 1 KV head (each rank replicates it); a tied head, which vLLM's CPU backend packs apart
+    full = Llama(_dims(tied=True)).float().eval()
+    module = TensorParallelLlama.from_full(full, TensorParallelGroup(rank, 2, dist.group.WORLD))
+    placement = RolePlacement(role="policy/generate", model="policy", kind="generate", ops=["rollout"], mesh="all",
+                              engine="vllm", tp=2, memory_bytes=MemoryBytes(kv_cache=8 * 2**20))
+    engine = build_engine(placement, module, torch.float32,
+                          EngineContext(rank=rank, device=torch.device("cpu"), threads=1, seed=0, max_model_len=18))
+
+    def sample(temperature: float) -> dict:
+        piece = engine.generate(_request(seed=9, temperature=temperature))
+        both = [None, None]
+        dist.all_gather_object(both, piece["response_ids"])
+        assert torch.equal(both[0], both[1]), "the replica's ranks hold different responses"
+        return piece
+
+    def mismatch(piece: dict, model: Llama, temperature: float) -> float:
+        with torch.no_grad(), sampling_temperature(model, temperature):
+            lp, _ = token_logprobs_and_entropy(model, piece["prompt_ids"], piece["prompt_mask"], piece["response_ids"],
+                                               piece["response_mask"])
+        return float((lp - piece["behaviour_logprobs"])[piece["response_mask"]].abs().max())
+
+    before = sample(0.7)
+    first = mismatch(before, full, 0.7)
+    with torch.no_grad():  # the trainer's next weights, delivered into each rank's shards as a sync would
+        for name, p in full.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    module.load_full(full.state_dict())
+    engine.weights_updated()
+    after = sample(0.7)
+    second = mismatch(after, full, 0.7)
+    engine.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"first": first, "second": second,
+                                         "changed": not torch.equal(before["response_ids"], after["response_ids"])}))
+    dist.destroy_process_group()
+
+
+def test_a_tensor_parallel_replica_runs_one_engine_over_its_ranks_and_reloads_it(tmp_path) -> None:
+    """A tp-2 generator replica on two gloo ranks: one vLLM engine with tensor_parallel_size 2 (a worker per
+    rank), started on the whole weights gathered from both ranks' shards; both ranks get the same responses,
+    whose log-probs are the full model's; after new weights land in the shards the engine samples from them."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "seen.json"
+    mp.start_processes(_tensor_parallel_replica, args=(29000 + (os.getpid() % 500), str(out)), nprocs=2,
+                       start_method="spawn")
+    seen = json.loads(out.read_text())
+    assert seen["first"] < 1e-3 and seen["second"] < 1e-3  # fp32 on both sides, tp 2 against the whole model
+    assert seen["changed"]
+
+
+@pytest.mark.slow
+def test_grpo_with_a_tensor_parallel_generator_on_vllm(tmp_path) -> None:
+    """grpo_tiny (on a model with vLLM-sized heads) with its generator at tp 2 on vLLM, colocated on two
+    ranks: one engine over both; every step's responses come from the trainer's current weights."""
+    dims = ("{vocab_size: 16, hidden_size: 128, intermediate_size: 256, num_layers: 2, num_heads: 2, "
+            "num_kv_heads: 1, max_seq_len: 64, rope_theta: 10000.0, tie_embeddings: true}")
+    job = (REPO / "examples" / "grpo_tiny.yaml").read_text().replace("preset: tiny-digits-tied", f"dims: {dims}")
+    (tmp_path / "job.yaml").write_text(job)
+    pins = ["--set", "placement.roles.policy/generate.engine=vllm", "--set", "placement.roles.policy/generate.tp=2"]
+    run = subprocess.run([sys.executable, "-m", "graphrl.cli", "run", str(tmp_path / "job.yaml"), "--steps", "3",
+                          "--out", str(tmp_path / "run"), "-q", *pins], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    plan = subprocess.run([sys.executable, "-m", "graphrl.cli", "compile", str(tmp_path / "job.yaml"), "--plan",
+                           *pins], capture_output=True, text=True)
+    assert "gathered on its first rank" in plan.stdout
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics] == [0, 1, 2]
+    assert all(row["mismatch_abs_max"] < 1e-4 for row in metrics)  # fp32 both sides, after every reload

@@ -44,12 +44,34 @@ def test_an_engine_pin_on_a_training_role_is_refused() -> None:
     assert "placement.roles.policy.engine" in result.output and "policy/generate" in result.output
 
 
-def test_vllm_with_a_tensor_parallel_pin_is_refused(monkeypatch) -> None:
+def test_a_tensor_parallel_vllm_generator_is_planned_with_its_reload_gather_charged(monkeypatch) -> None:
+    """A vLLM generator at tp 2: one engine per replica over its two ranks. Its weight sync ends with the
+    replica's shards gathered whole on its first rank for the engine's reload, which the plan charges
+    beside the weights and the preview names."""
+    from graphrl.compiler.memory import gen_sync_staging, gen_weights
+    from graphrl.compiler.roles import Role
+    from graphrl.schemas.model import MODEL_PRESETS
+
+    role = Role("policy/generate", "policy", "generate", MODEL_PRESETS["tiny-digits-tied"], ("rollout",), 4)
+    whole = gen_weights(role, 1, "bf16")
+    for colocated in (True, False):
+        assert gen_sync_staging(role, 2, "bf16", colocated=colocated, engine="vllm") == whole
+        assert gen_sync_staging(role, 2, "bf16", colocated=colocated) == 0.0  # native: into its shards
+        assert gen_sync_staging(role, 1, "bf16", colocated=colocated, engine="vllm") == 0.0  # reloads its module
+
     monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
     result = CliRunner().invoke(main, ["validate", JOB, "--set", "placement.roles.policy/generate.engine=vllm",
                                        "--set", "placement.roles.policy/generate.tp=2"])
-    assert result.exit_code == 2
-    assert "placement.roles.policy/generate.tp" in result.output
+    assert result.exit_code == 0, result.output
+    plan = _plan("placement.roles.policy/generate.engine=vllm", "placement.roles.policy/generate.tp=2")
+    (gen,) = [p for p in plan.chosen.placements if p.kind == "generate"]
+    assert (gen.engine, gen.tp) == ("vllm", 2)
+    (op,) = [o for o in plan.chosen.operations if o.dst == gen.role]
+    assert "whole tensors gathered on its first rank" in op.detail
+    native = _plan("placement.roles.policy/generate.tp=2")
+    grown = {m.mesh: m.peak_bytes for m in plan.chosen.device_memory}
+    before = {m.mesh: m.peak_bytes for m in native.chosen.device_memory}
+    assert all(grown[mesh] > before[mesh] for mesh in grown)  # the engine's copy, cache and reload gather
 
 
 def test_the_plan_carries_the_engine_and_the_preview_names_it(monkeypatch) -> None:
@@ -184,10 +206,9 @@ def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatc
     assert not refused.fits and refused.worst_role == "policy/generate"
     assert "vllm engine keeps its weights and KV cache" in refused.reason
     assert refused.needed_bytes == pytest.approx(mem.peak + kept)
-    # What would make it fit is what this engine runs: not fp8, not tp 2 (vLLM runs neither here).
+    # What would make it fit is what this engine runs: not fp8 (vLLM runs the model's dtype), a larger tp.
     error = no_fit_error(problem("vllm", tight), [refused])
-    assert "engine: native" in error.fix and "fp8" not in error.fix and "tp: 2" not in error.fix
-    assert "tp: 2" in no_fit_error(problem("native", tight), [dataclasses.replace(refused)]).fix
+    assert "engine: native" in error.fix and "fp8" not in error.fix and "tp: 2" in error.fix
 
 
 def test_a_colocated_vllm_engine_on_gpus_sleeps_and_is_charged_only_while_generating(monkeypatch) -> None:
