@@ -107,7 +107,8 @@ def main() -> None:
         placement = RolePlacement(role="policy/generate", model="policy", kind="generate", ops=["rollout"],
                                   mesh="all", engine="vllm", memory_bytes=MemoryBytes(kv_cache=1 << 30))
         engine = build_engine(placement, staged, dtype,
-                              EngineContext(0, torch.device("cpu"), args.threads, 0, args.prompt_len + longest))
+                              EngineContext(0, torch.device("cpu"), args.threads, 0, args.prompt_len + longest,
+                                            max_batch=max(n for n, _ in shapes)))
         engine.generate(request(shapes[0][0], 4))  # warm-up
         results[label] = {f"{n}x{r}": n * r / timed(lambda: engine.generate(request(n, r))) for n, r in shapes}
         syncs[label] = statistics.median(timed(engine.weights_updated) for _ in range(3))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -161,8 +161,12 @@ class RankExecutor:
         max_model_len = self.data_node.spec.prompt_len + self.gen_node.spec.max_new_tokens
         context = EngineContext(self.rank, self.rt.device, self.job.run.threads_per_rank, self.seed, max_model_len,
                                 self.plan.hardware.memory_bytes)
+        batch: dict[str, int] = {}  # per role, the most responses one of its generations on this rank asks for
+        for ins in self.programs.rank_stream(self.rank):
+            if isinstance(ins, Generate):
+                batch[ins.role] = max(batch.get(ins.role, 0), ins.stop - ins.start)
         return {name: build_engine(role.placement, role.module, DTYPES[self.job.models[role.placement.model].dtype],
-                                   context)
+                                   replace(context, max_batch=batch.get(name, 0)))
                 for name, role in self.roles.items() if role.placement.kind == "generate"}
 
     def _weights_changed(self, role: str) -> None:

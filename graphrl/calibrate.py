@@ -941,7 +941,7 @@ def engine_throughputs(report: Callable[[str], None] = print, batch: int = 16, p
     placement = RolePlacement(role="probe/generate", model="probe", kind="generate", ops=["generate"], mesh="probe",
                               engine="vllm", memory_bytes=MemoryBytes())
     engine = build_engine(placement, model, torch.float32,
-                          EngineContext(0, torch.device("cpu"), threads, 0, prompt_len + response_len))
+                          EngineContext(0, torch.device("cpu"), threads, 0, prompt_len + response_len, max_batch=batch))
     try:
         vllm = tokens_per_s(lambda: engine.generate(request))
     finally:

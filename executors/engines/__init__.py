@@ -135,6 +135,7 @@ class EngineContext:
     seed: int
     max_model_len: int
     device_memory_bytes: float = 0.0  # the plan's hardware's memory per device (a GPU engine's budget is a share of it)
+    max_batch: int = 0  # the most responses one generation of the role asks for here (0: the engine's default)
 
 
 def rank_cores(rank: int, threads: int) -> list[int]:

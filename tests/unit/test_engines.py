@@ -366,3 +366,19 @@ def test_a_gpu_engine_asks_for_the_share_of_the_device_the_plan_charges_it(monke
     assert started[0].kwargs["gpu_memory_utilization"] == pytest.approx((4e9 + kv) / 80e9 + GPU_ENGINE_HEADROOM)
     assert started[0].kwargs["gpu_memory_utilization"] == pytest.approx(0.25)
     assert gpu_memory_share(placement, 100e9, 80e9) == 0.95 and gpu_memory_share(placement, 1e9, 0.0) == 0.9
+
+
+def test_an_engine_holds_as_many_sequences_as_one_generation_asks_for(monkeypatch) -> None:
+    """vLLM sizes its per-sequence buffers by max_num_seqs: the engine asks for the plan's batch (the most
+    responses one generation on the rank asks for), and for vLLM's default where none is known."""
+    from graphrl.executors.engines import EngineContext
+    from graphrl.executors.engines.vllm_engine import VllmEngine
+    from graphrl.executors.models.llama import Llama
+    from graphrl.schemas.model import MODEL_PRESETS
+
+    started = _fake_vllm(monkeypatch)
+    placement = next(p for p in _plan().chosen.placements if p.kind == "generate").model_copy(update={"engine": "vllm"})
+    for batch in (12, 0):
+        VllmEngine.start(placement, Llama(MODEL_PRESETS["tiny-digits"]), torch.float32,
+                         EngineContext(0, torch.device("cpu"), 1, 7, 64, max_batch=batch))
+    assert started[0].kwargs["max_num_seqs"] == 12 and "max_num_seqs" not in started[1].kwargs
