@@ -25,6 +25,27 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 JOB = str(EXAMPLES / "grpo_tiny.yaml")
 
 
+def _problem(engine: str, memory_bytes: float | None = None):  # noqa: ANN202
+    """grpo_tiny's placement problem, colocated on two ranks, its generator on `engine` (and devices of
+    `memory_bytes` usable, where given)."""
+    import dataclasses
+
+    from graphrl.compiler.candidates import make_problem
+    from graphrl.compiler.hardware import resolve_hardware
+    from graphrl.compiler.typecheck import typecheck
+    from graphrl.ir import build_graph
+
+    job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override(s) for s in (
+        "placement.strategy=colocated", "placement.roles.policy.sharding=none",
+        f"placement.roles.policy/generate.engine={engine}")])
+    cluster = job_cluster(job, None)
+    p = make_problem(typecheck(build_graph(job.spec), cluster), cluster, resolve_hardware(cluster))
+    if memory_bytes is not None:
+        hw = p.hw.model_copy(update=dict(memory_bytes=memory_bytes / (1 - p.hw.reserved_memory_fraction)))
+        p = dataclasses.replace(p, hw=hw)
+    return p
+
+
 def _plan(*sets: str):  # noqa: ANN202
     job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override(s) for s in sets])
     return compile_job(job, job_cluster(job, None), steps=2)
@@ -68,6 +89,15 @@ def test_a_tensor_parallel_vllm_generator_is_planned_with_its_reload_gather_char
     assert (gen.engine, gen.tp) == ("vllm", 2)
     (op,) = [o for o in plan.chosen.operations if o.dst == gen.role]
     assert "whole tensors gathered on its first rank" in op.detail
+    from graphrl.compiler import timing
+    from graphrl.compiler.candidates import gen_cfgs
+    from graphrl.compiler.placement import engine_reload_time
+
+    problem = _problem("vllm")
+    tp1, tp2 = (next(g for g in gen_cfgs(problem, 0, 2) if g.tp == tp) for tp in (1, 2))
+    local = timing.engine_reload_seconds(role.dims, problem.hw, 2, 4)
+    assert engine_reload_time(problem, tp2) > local  # the gather to the replica's first rank comes on top
+    assert engine_reload_time(problem, tp1) == timing.engine_reload_seconds(role.dims, problem.hw, 1, 4)
     native = _plan("placement.roles.policy/generate.tp=2")
     grown = {m.mesh: m.peak_bytes for m in plan.chosen.device_memory}
     before = {m.mesh: m.peak_bytes for m in native.chosen.device_memory}
@@ -174,26 +204,13 @@ def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatc
     the native sampler's colocated layout fits and vLLM's is refused, naming the engine's bytes."""
     import dataclasses
 
-    from graphrl.compiler.candidates import gen_cfgs, make_problem, train_cfgs
-    from graphrl.compiler.hardware import resolve_hardware
+    from graphrl.compiler.candidates import gen_cfgs, train_cfgs
     from graphrl.compiler.memory import engine_resident, resident_while_generating, trainer_mesh_memory
     from graphrl.compiler.placement import evaluate_colocated, generation_time, no_fit_error
-    from graphrl.compiler.typecheck import typecheck
-    from graphrl.ir import build_graph
 
     monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
 
-    def problem(engine: str, memory_bytes: float | None = None):  # noqa: ANN202
-        job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override(s) for s in (
-            "placement.strategy=colocated", "placement.roles.policy.sharding=none",
-            f"placement.roles.policy/generate.engine={engine}")])
-        cluster = job_cluster(job, None)
-        p = make_problem(typecheck(build_graph(job.spec), cluster), cluster, resolve_hardware(cluster))
-        if memory_bytes is not None:
-            hw = p.hw.model_copy(update=dict(memory_bytes=memory_bytes / (1 - p.hw.reserved_memory_fraction)))
-            p = dataclasses.replace(p, hw=hw)
-        return p
-
+    problem = _problem
     p = problem("vllm")
     train, gen = train_cfgs(p, 0, 2)[0], gen_cfgs(p, 0, 2)[0]
     mem = trainer_mesh_memory(p, train)
