@@ -161,10 +161,13 @@ class RankExecutor:
         max_model_len = self.data_node.spec.prompt_len + self.gen_node.spec.max_new_tokens
         context = EngineContext(self.rank, self.rt.device, self.job.run.threads_per_rank, self.seed, max_model_len,
                                 self.plan.hardware.memory_bytes)
-        batch: dict[str, int] = {}  # per role, the most responses one of its generations on this rank asks for
-        for ins in self.programs.rank_stream(self.rank):
-            if isinstance(ins, Generate):
-                batch[ins.role] = max(batch.get(ins.role, 0), ins.stop - ins.start)
+        generators = {name for name, role in self.roles.items() if role.placement.kind == "generate"}
+        batch: dict[str, int] = {}  # per role, the responses one of its generations on this rank asks for
+        for ins in self.programs.rank_stream(self.rank):  # every step splits the batch alike: the first will do
+            if isinstance(ins, Generate) and ins.role in generators and ins.role not in batch:
+                batch[ins.role] = ins.stop - ins.start
+                if len(batch) == len(generators):
+                    break
         return {name: build_engine(role.placement, role.module, DTYPES[self.job.models[role.placement.model].dtype],
                                    replace(context, max_batch=batch.get(name, 0)))
                 for name, role in self.roles.items() if role.placement.kind == "generate"}
