@@ -26,7 +26,6 @@ and their KV caches stay consistent, with no broadcast of the samples.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -35,7 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.schemas.sharding import Region, chunk_bounds, llama_params, tp_region, tp_split_dim
+from graphrl.schemas.sharding import (Region, chunk_bounds, llama_params, region_size, to_slices, tp_region,
+                                      tp_split_dim)
 from graphrl.errors import RunError
 from graphrl.schemas.model import ModelDims
 
@@ -202,7 +202,7 @@ class TensorParallelLlama(Llama):
                 self.get_parameter(name).copy_(full[a:b])
             else:
                 region = tp_region(name, shape, self.tp.rank, self.tp.size)
-                self.get_parameter(name).copy_(full[tuple(slice(a, b) for a, b in region)])
+                self.get_parameter(name).copy_(full[to_slices(region)])
 
     @torch.no_grad()
     def complete_kv_heads(self, tensors: Mapping[str, Tensor] | None = None,
@@ -247,7 +247,7 @@ class TensorParallelLlama(Llama):
                 continue
             regions = [tp_region(name, shape, r, self.tp.size) for r in range(self.tp.size)]
             shard = blocks[name][0] if self._replicated(name) else own
-            largest = max(math.prod(b - a for a, b in region) for region in regions)
+            largest = max(region_size(region) for region in regions)
             sent = torch.zeros(largest, dtype=own.dtype, device=own.device)
             sent[:shard.numel()] = shard.reshape(-1)
             received = [torch.empty_like(sent) for _ in regions] if self.tp.rank == 0 else None
@@ -256,8 +256,7 @@ class TensorParallelLlama(Llama):
                 continue
             full = torch.empty(shape, dtype=own.dtype, device=own.device)
             for region, flat in zip(regions, received):
-                block = tuple(b - a for a, b in region)
-                full[tuple(slice(a, b) for a, b in region)] = flat[:math.prod(block)].view(block)
+                full[to_slices(region)] = flat[:region_size(region)].view(tuple(b - a for a, b in region))
             yield name, full
 
     # -- generation --------------------------------------------------------------------------------

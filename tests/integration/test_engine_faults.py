@@ -17,6 +17,8 @@ import pytest
 
 from graphrl.executors.outputs import latest_checkpoint, load_checkpoint
 
+from run_processes import no_rank_processes_left
+
 HERE = Path(__file__).resolve().parent
 JOB = HERE.parents[1] / "examples" / "grpo_tiny.yaml"
 
@@ -36,11 +38,6 @@ def _run(tmp_path: Path, fault: str) -> tuple[int, str, Path]:
     return proc.returncode, proc.stderr + proc.stdout, out
 
 
-def _no_rank_left(out: Path) -> bool:
-    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout.splitlines()
-    return not any(str(out / "plan.msgpack") in line for line in ps if not line.startswith("Z"))
-
-
 def test_an_engine_that_dies_mid_run_ends_every_rank_and_keeps_the_last_checkpoint(tmp_path) -> None:
     code, output, out = _run(tmp_path, "generate:1:3")  # rank 1's third generation: step 2
     assert code == 2, output
@@ -48,7 +45,7 @@ def test_an_engine_that_dies_mid_run_ends_every_rank_and_keeps_the_last_checkpoi
     assert "EngineCore encountered an issue (injected)" in output
     assert "the last checkpoint is intact" in output  # the rank's remedy reaches the user, then the launcher's
     assert "continue from step_000001" in output and "Traceback" not in output
-    assert _no_rank_left(out)
+    assert no_rank_processes_left(out)
     ckpt = latest_checkpoint(out)
     assert ckpt is not None and ckpt.name == "step_000001"
     state = load_checkpoint(ckpt)  # intact: its manifest and weights load
@@ -61,4 +58,4 @@ def test_an_engine_that_fails_to_start_is_named_with_its_cause(tmp_path) -> None
     assert "rank 0: the vLLM engine of role policy/generate failed to start" in output
     assert "No available memory for the cache blocks (injected)" in output
     assert "of KV cache fit next to the weights; or use engine: native" in output
-    assert _no_rank_left(out) and latest_checkpoint(out) is None
+    assert no_rank_processes_left(out) and latest_checkpoint(out) is None

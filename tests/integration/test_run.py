@@ -14,6 +14,8 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 
+from run_processes import no_rank_processes_left
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,28 +133,19 @@ def _run_subprocess(job: Path, out_dir: Path) -> tuple[int, str]:
     return proc.returncode, proc.stderr + proc.stdout
 
 
-def _no_rank_processes_left(out_dir: Path) -> bool:
-    """No rank of this run is left: none names its plan, and no spawned process of this interpreter
-    (other checkouts' test runs on a shared machine spawn theirs from their own interpreters) is running."""
-    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout.splitlines()
-    running = [line.split(None, 1)[-1] for line in ps if not line.startswith("Z")]
-    return not any(str(out_dir / "plan.msgpack") in args or (args.startswith(sys.executable) and
-                                                             "multiprocessing.spawn" in args) for args in running)
-
-
 def test_exception_in_a_rank_ends_the_run_naming_it(tmp_path):
     code, output = _run_subprocess(_faulty_job(tmp_path, "raise_on_rank1"), tmp_path / "run")
     assert code != 0
     assert "rank 1 failed" in output and "reward server unreachable" in output
     assert "Traceback" not in output
-    assert _no_rank_processes_left(tmp_path / "run")
+    assert no_rank_processes_left(tmp_path / "run")
 
 
 def test_killed_rank_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
     code, output = _run_subprocess(_faulty_job(tmp_path, "kill_rank1"), tmp_path / "run")
     assert code != 0
     assert "rank 1" in output and "SIGKILL" in output
-    assert _no_rank_processes_left(tmp_path / "run")
+    assert no_rank_processes_left(tmp_path / "run")
     from graphrl.executors.outputs import latest_checkpoint, load_checkpoint
 
     ckpt = latest_checkpoint(tmp_path / "run")
@@ -178,7 +171,7 @@ def test_terminated_launcher_ends_its_ranks(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err
     assert "SIGTERM" in err and "Traceback" not in err
-    assert _no_rank_processes_left(out)
+    assert no_rank_processes_left(out)
 
 
 def test_two_torchrun_nodes_on_loopback(tmp_path):
