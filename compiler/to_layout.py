@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from graphrl.schemas.capabilities import generator_reads_trainer
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.sharding import staging_layers
 from graphrl.engine_support import engine_sleeps
@@ -117,10 +118,20 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         ))
         if ev.strategy == "colocated":
             t, b = reshard_in_place_time(p, train, gen)
+            reads = generator_reads_trainer(
+                colocated=True, gen_tp=gen.tp, precision=gen.precision, train_tp=train.tp, sharding=train.sharding,
+                one_unit=cost.fsdp_unit_layers(p.policy.dims, tp=1, dtype_bytes=p.policy.weight_bytes)
+                >= p.policy.dims.num_layers)
+            if reads and b:
+                fill = (f"gather the trainer's {train.sharding} shards in place: the generator samples from the "
+                        "gathered weights, which the trainer's next forward and backward use")
+            elif b:
+                fill = f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards"
+            else:
+                fill = "the generator reads the trainer's weights in place"
             operations.append(Operation(
                 kind="reshard_in_place", src=p.policy.name, dst=g.name, num_bytes=b, time_s=t,
-                detail=(f"fill tp{gen.tp} generator shards from the trainer's {train.sharding} shards" if b else
-                        "the generator reads the trainer's weights in place")
+                detail=fill
                 + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")
                 + _engine_reload(engine, gen.tp)))
             resident = resident_while_generating(mem)

@@ -57,7 +57,7 @@ from graphrl.executors.engines import EngineContext, GenerationEngine, Generatio
 from graphrl.executors.models.llama import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
 from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
-from graphrl.executors.parallel import copy_full_weights, full_state_dict
+from graphrl.executors.parallel import copy_full_weights, full_state_dict, gather_in_place, release_gathered
 from graphrl.executors.roles import DTYPES, RoleState, build_roles, role_group
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
@@ -288,11 +288,14 @@ class RankExecutor:
         under ZeRO-1/2/3, float32 master weights and moments for a bf16 model). Compared with the plan's
         state less `gathered` (the unsharded copies FSDP2 holds only while a role computes, reported
         beside it as the planned peak). Not counted on either side: activations, the KV cache, the
-        allocator's slack and the Python heap. Generation copies that share the trainer's module
-        (colocated) count once. An fp8 generator counts its block linears at one byte per weight plus
-        their float32 scales (`fp8_state_bytes`), as its placement charges them."""
+        allocator's slack and the Python heap. Generation copies that sample from the trainer's module
+        (colocated, `generator_reads_trainer`) count once. An fp8 generator counts its block linears at
+        one byte per weight plus their float32 scales (`fp8_state_bytes`), as its placement charges them."""
         modules, optimizers, planned, gathered, fp8_bytes = [], [], 0.0, 0.0, 0
         seen: set[int] = set()
+        for role in self.roles.values():  # a trainer whose generator samples from it may end gathered
+            if role.wrapping == "fsdp2":
+                release_gathered(role.wrapped)  # type: ignore[arg-type]
         for role in self.roles.values():
             if id(role.module) in seen:
                 continue
@@ -351,8 +354,22 @@ class RankExecutor:
         request = GenerationRequest(prompt_ids, prompt_mask, spec.max_new_tokens, spec.temperature, spec.top_p,
                                     tuple(self.source.stop_ids), self.source.pad_id, self.seed, ins.step, ins.start,
                                     ins.version)
+        if role.reads is not None:
+            self._check_trainer_weights(ins, role)
         piece = self.engines[ins.role].generate(request)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
+
+    def _check_trainer_weights(self, ins: Generate, role: RoleState) -> None:
+        """A generator that samples from its trainer's module needs the trainer at the generator's version
+        and, under FSDP2, its weights whole: gathered by the sync, and gathered again (on every rank of the
+        trainer, as each runs this same instruction) if something in between resharded them (a checkpoint
+        reads the weights unit by unit)."""
+        trainer = self.roles[role.reads]  # type: ignore[index]
+        if trainer.version != role.version:
+            raise self.fail(ins, f"the generator samples from {trainer.placement.role}'s weights, at version "
+                                 f"{trainer.version}, but the plan gives it version {role.version}")
+        if trainer.wrapping == "fsdp2":
+            gather_in_place(trainer.wrapped)  # type: ignore[arg-type]
 
     def _forward_role(self, ins: Logprob | Value | Reward) -> RoleState:
         role = self.roles.get(ins.role)
@@ -586,6 +603,9 @@ class RankExecutor:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
         if isinstance(dst.module, TensorParallelLlama):  # each rank fills its shards; none gathers the model
             run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt)
+        elif dst.reads is not None:  # the generator samples from the trainer's weights: whole, or gathered here
+            if src.wrapping == "fsdp2":
+                gather_in_place(src.wrapped)  # type: ignore[arg-type]
         elif fp8.is_quantized(dst.module):  # quantized here, tensor by tensor, from the trainer's weights
             fp8.copy_quantized(dst.module, src.module, src.wrapped)
         elif dst.module is not src.module:
@@ -594,7 +614,9 @@ class RankExecutor:
         self._weights_changed(ins.dst_role)
 
     def release_weights(self, ins: ReleaseWeights) -> None:
-        """The colocated generator shares the trainer's module: nothing to free on this executor."""
+        """Nothing to free: a colocated generator that samples from the trainer's module leaves its weights to
+        the trainer (FSDP2 keeps them gathered through the next backward, as the plan charges that trainer),
+        and a copy of its own is refilled in place by the next sync."""
 
     def checkpoint(self, ins: Checkpoint) -> None:
         """Every trainer rank writes its shards of the trained roles and the rollouts it already holds for

@@ -436,6 +436,32 @@ def full_weights(model: nn.Module, wrapper: nn.Module | None = None) -> Iterator
     yield from whole(gathered_only=False)  # what no unit manages, gathered tensor by tensor
 
 
+def fsdp_units_of(wrapper: nn.Module) -> list[Any]:
+    """The FSDP2 units of a wrapped trainer, root last (empty for DDP or an unwrapped module)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in wrapper.modules() if isinstance(m, FSDPModule)][::-1]
+
+
+def gather_in_place(wrapper: nn.Module) -> None:
+    """Gather an FSDP2 trainer's weights whole on every rank and leave them so: its module's parameters
+    are then the whole tensors, which a colocated generator samples from and the next forward finds
+    gathered (`generator_reads_trainer`). One all-gather per unit, the next started before this one is
+    waited for; a unit gathered already costs nothing, so every rank of the trainer calls this at the
+    same points (it is collective where a unit is sharded). The units reshard after the next backward."""
+    units = fsdp_units_of(wrapper)
+    pending = [unit.unshard(async_op=True) for unit in units]
+    for handle in pending:
+        if handle is not None:
+            handle.wait()
+
+
+def release_gathered(wrapper: nn.Module) -> None:
+    """Free the gathered weights of an FSDP2 trainer's units (local, no collective): its resting state."""
+    for unit in fsdp_units_of(wrapper):
+        unit.reshard()
+
+
 def copy_full_weights(dst: nn.Module, src: nn.Module, wrapper: nn.Module | None = None) -> None:
     """`dst`'s weights (whole tensors) := `src`'s, gathered by `full_weights` and copied in place, so no
     full copy of the model exists beside the two modules."""

@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 from graphrl.errors import RunError
+from graphrl.schemas.capabilities import generator_reads_trainer
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.plan import Plan, RoleKind, RolePlacement
 from graphrl.schemas.program import Generate, Programs
 
 from graphrl.executors import fp8
 from graphrl.executors.models.llama import Llama, LlamaCritic
-from graphrl.executors.parallel import (build_optimizer, shard_frozen, tensor_parallel_infer, trainer_mesh_groups,
-                                        wrap_tensor_parallel_trainer, wrap_trainer)
+from graphrl.executors.parallel import (build_optimizer, layer_units, shard_frozen, tensor_parallel_infer,
+                                        trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.runtime import Runtime, collective_timeout_s
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 
@@ -41,6 +42,8 @@ class RoleState:
     optimizer: torch.optim.Optimizer | None = None
     version: int = 0
     offloaded: set[str] = field(default_factory=set)
+    reads: str | None = None
+    """A generation copy that samples from this trained role's module (its own weights, none copied)."""
 
 
 @dataclass
@@ -110,12 +113,16 @@ def build_train(b: RoleBuild, p: RolePlacement) -> RoleState:
 
 
 def build_generate(b: RoleBuild, p: RolePlacement) -> RoleState:
-    """A generation copy: colocated with an unwrapped trainer, the trainer's own module (nothing to copy);
-    otherwise its own, cut into tensor-parallel shards and stored in fp8 as the plan says."""
+    """A generation copy: colocated with a trainer that holds its weights whole through each sync
+    (`generator_reads_trainer`: replicated, or gathered by FSDP2 at the sync and kept through the next
+    backward), the trainer's own module, nothing copied; otherwise its own, cut into tensor-parallel
+    shards and stored in fp8 as the plan says."""
     trainer = b.roles.get(p.model)
-    if b.plan.chosen.strategy == "colocated" and p.tp == 1 and p.precision != "fp8" and trainer is not None \
-            and trainer.wrapping in ("local", "ddp"):
-        return RoleState(p, trainer.module)
+    if trainer is not None and trainer.placement.kind == "train" and generator_reads_trainer(
+            colocated=b.plan.chosen.strategy == "colocated", gen_tp=p.tp, precision=p.precision,
+            train_tp=trainer.placement.tp, sharding=trainer.placement.sharding,
+            one_unit=not layer_units(trainer.module.model.layers, tp=1)):
+        return RoleState(p, trainer.module, reads=trainer.placement.role)
     module = b.new_module(p)
     if p.tp > 1:
         module = TensorParallelLlama.from_full(module, b.tensor_parallel_group(p))

@@ -73,7 +73,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                requires="more than one data-parallel rank, tp 1"),
     Capability(kind="sharding", value="zero2", roles=("train",), support="runs",
                how="FSDP2 `fully_shard(reshard_after_forward=False)`: weights, gradients and optimizer state "
-                   "rest as shards; the weights are gathered once per step and kept from forward through backward",
+                   "rest as shards; the weights are gathered once per step and kept from forward through backward (a "
+                   "colocated whole generator samples from them, gathered at its weight sync)",
                requires="more than one data-parallel rank"),
     Capability(kind="sharding", value="fsdp", roles=("train",), support="runs",
                how="FSDP2 `fully_shard` (ZeRO-3): weights, gradients and optimizer state sharded, weights "
@@ -171,6 +172,21 @@ def dtype_refusal(role_kind: str, dtype: str) -> Refusal | None:
                    f"dtype {dtype!r} does not run", "use dtype: bfloat16 or float32 for a trained model")
 
 
+def generator_reads_trainer(*, colocated: bool, gen_tp: int, precision: str, train_tp: int, sharding: str,
+                            one_unit: bool) -> bool:
+    """Whether a colocated generation copy samples from its trainer's own weights instead of a copy of its own.
+
+    It does when the copy would be the trainer's weights exactly (a whole, tp-1 copy at the model's
+    precision beside a tp-1 trainer) and the trainer holds them whole on every rank from the weight sync
+    until its next backward: replicated (`none`, `zero1`), or gathered by FSDP2 at the sync and kept
+    through the next forward and backward (`zero2`; `fsdp` when the model is one FSDP2 unit, `one_unit`,
+    whose root keeps its weights through backward). The sync is then the gather, or nothing, and the
+    training step's forward finds the weights gathered already. A vLLM engine keeps its own copy, filled
+    from the role's module; its module is still the trainer's."""
+    whole_through_backward = sharding in ("none", "zero1", "zero2") or (sharding == "fsdp" and one_unit)
+    return colocated and gen_tp == 1 and train_tp == 1 and precision != "fp8" and whole_through_backward
+
+
 def hardware_has_fp8(hw: "HardwareSpec") -> bool:
     """Whether fp8 generation runs on `hw` (the one place that decides it; today: hardware with an fp8
     peak, i.e. fp8 tensor cores)."""
@@ -227,5 +243,5 @@ if __name__ == "__main__":  # python -m graphrl.schemas.capabilities: the README
 
 
 __all__ = ["CAPABILITIES", "Capability", "PlanRefusal", "Refusal", "Target", "capability", "dtype_refusal",
-           "hardware_has_fp8", "plan_refusals", "precision_refusal", "runs", "train_layout_refusal",
+           "generator_reads_trainer", "hardware_has_fp8", "plan_refusals", "precision_refusal", "runs", "train_layout_refusal",
            "what_runs_markdown", "what_runs_rows"]

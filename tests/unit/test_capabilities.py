@@ -24,8 +24,8 @@ from graphrl.errors import RunError
 from graphrl.executors.launcher import launch_local
 from graphrl.ir import build_graph
 from graphrl.loader import apply_overrides, job_cluster, load_job, parse_override
-from graphrl.schemas.capabilities import (CAPABILITIES, hardware_has_fp8, plan_refusals, precision_refusal, runs,
-                                          train_layout_refusal, what_runs_markdown)
+from graphrl.schemas.capabilities import (CAPABILITIES, generator_reads_trainer, hardware_has_fp8, plan_refusals,
+                                          precision_refusal, runs, train_layout_refusal, what_runs_markdown)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -65,6 +65,33 @@ def test_fp8_generation_needs_fp8_hardware() -> None:
     assert precision_refusal("generate", "fp8", hardware_fp8=True) is None
     assert precision_refusal("generate", "fp8", hardware_fp8=False).field == "precision"  # type: ignore[union-attr]
     assert precision_refusal("train", "fp8", hardware_fp8=True).field == "precision"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("sharding, one_unit, reads", [
+    ("none", False, True), ("zero1", False, True),  # replicated weights
+    ("zero2", False, True), ("zero2", True, True),  # gathered at the sync, kept through backward
+    ("fsdp", True, True),  # one unit: the root keeps the gathered weights through backward
+    ("fsdp", False, False),  # units resharded after each forward: the generator keeps a copy of its own
+])
+def test_a_colocated_generator_reads_the_trainer_when_its_weights_stay_whole(sharding: str, one_unit: bool,
+                                                                            reads: bool) -> None:
+    whole = dict(colocated=True, gen_tp=1, precision="bf16", train_tp=1, sharding=sharding, one_unit=one_unit)
+    assert generator_reads_trainer(**whole) is reads  # type: ignore[arg-type]
+    # Another copy in every other case: disaggregated, cut over tp, fp8, or a tensor-parallel trainer.
+    for change in (dict(colocated=False), dict(gen_tp=2), dict(precision="fp8"), dict(train_tp=2)):
+        assert not generator_reads_trainer(**{**whole, **change})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "fsdp"])
+def test_the_preview_says_a_sharded_trainer_is_gathered_for_its_generator(sharding: str) -> None:
+    """grpo_tiny is one FSDP2 unit, so under zero2 and fsdp alike its colocated generator samples from the
+    trainer's weights gathered in place (the executors' `build_generate` reads the same rule)."""
+    job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"), [parse_override(s) for s in (
+        "placement.strategy=colocated", f"placement.roles.policy.sharding={sharding}", "placement.roles.policy.tp=1")])
+    plan = compile_job(job, job_cluster(job, "local-cpu-2"), target="run", steps=2)
+    sync = next(op for op in plan.chosen.operations if op.kind == "reshard_in_place")
+    assert sync.detail.startswith(f"gather the trainer's {sharding} shards in place"), sync.detail
+    assert sync.num_bytes > 0
 
 
 def _problem(example: str, cluster: str | None, target: str):  # noqa: ANN202

@@ -4,6 +4,10 @@
   6, optimizer step k takes the k-th 3 rows of each rank, its loss aggregated over those 6 responses
   (counts all-reduced). That must be the update of one rank holding the whole batch ordered as the
   mini-batches take it, to float32 rounding (data-parallel gradients are summed in another order).
+- A colocated generator that samples from a zero2 trainer's own module (`generator_reads_trainer`), with
+  every decoder layer an FSDP2 unit of its own: gathered in place, the module scores and samples as the
+  one-rank model with the same weights, and the trainer's next update (whose forward finds the weights
+  gathered, after the generation ran every unit's hooks) is still the one-rank update.
 - Tensor parallel: the generator's `TensorParallelLlama` (explicit shards) and the trainer's
   `parallelize_llama` (DTensor) score packed sequences as the full model scores padded ones, and a packed
   tp=2 update with mini-batches equals the padded update of the full model on one rank.
@@ -20,8 +24,9 @@ import torch.distributed as dist
 
 from graphrl.calibrate import _spawn
 from graphrl.executors import training
-from graphrl.executors.models.llama import Llama, token_logprobs_and_entropy
-from graphrl.executors.parallel import (build_optimizer, full_state_dict, trainer_mesh_groups,
+from graphrl.executors import parallel
+from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy
+from graphrl.executors.parallel import (build_optimizer, full_state_dict, gather_in_place, trainer_mesh_groups,
                                         wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.roles import RoleState
 from graphrl.executors.runtime import Runtime
@@ -117,6 +122,44 @@ def _mean_over_ranks(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def generator_reads_trainer_case(rank: int) -> dict[str, float]:
+    model, a = policy(), algorithm()
+    r, advantages = rollouts(model)
+    whole = copy.deepcopy(model)
+    group = dist.group.WORLD
+    rt = Runtime(rank, 2, torch.device("cpu"), {})
+    half = slice(6 * rank, 6 * rank + 6)
+    one_unit_each = parallel.layer_units
+    parallel.layer_units = lambda layers, tp: [[layer] for layer in layers]  # a unit per layer, as in a large model
+    try:
+        wrapped, wrapping = wrap_trainer(model, "zero2", group, torch.device("cpu"))
+    finally:
+        parallel.layer_units = one_unit_each
+    units = len(parallel.fsdp_units_of(wrapped))
+    trainer = role(model, wrapped, wrapping, "zero2", group, a)
+    one_rank = role(whole, *wrap_trainer(whole, "none", None, torch.device("cpu")), "none", None, a)
+    one_rt = Runtime(0, 1, torch.device("cpu"), {})
+    update(trainer, *rows_of(r, advantages, half), a, group, rt)
+    update(one_rank, *rows_of(r, advantages, MINI_BATCH_ORDER), a, None, one_rt)
+
+    gather_in_place(wrapped)  # the weight sync of a generator that samples from the trainer's module
+    whole_tensors = all(type(p) is torch.nn.Parameter for p in model.parameters())
+    args = [r[k] for k in training.ROW_FIELDS]
+    prompts = (r["prompt_ids"], r["prompt_mask"])
+    with torch.no_grad():
+        got_lp, _ = token_logprobs_and_entropy(model, *args)
+        want_lp, _ = token_logprobs_and_entropy(whole, *args)
+    sampled = generate(model, *prompts, RESPONSE_LEN, generator=torch.Generator().manual_seed(1)).response_ids
+    expected = generate(whole, *prompts, RESPONSE_LEN, generator=torch.Generator().manual_seed(1)).response_ids
+
+    update(trainer, *rows_of(r, advantages, half), a, group, rt)  # the forward finds the weights gathered
+    update(one_rank, *rows_of(r, advantages, MINI_BATCH_ORDER), a, None, one_rt)
+    return {"units": float(units), "whole_tensors": float(worst(0.0 if whole_tensors else 1.0) == 0.0),
+            "logprob_diff": worst(float((got_lp - want_lp).abs().max())),
+            "samples_differ": worst(float((sampled != expected).sum())),
+            "second_update_weight_diff": worst(max_diff(full_state_dict(model), whole))}
+
+
 def tensor_parallel_case(rank: int) -> dict[str, float]:
     full = policy()
     r, advantages = rollouts(full)
@@ -148,6 +191,7 @@ def measure(rank: int, world: int) -> dict[str, dict[str, float]]:
     assert world == 2
     return {"ddp": data_parallel_case(rank, "none", pack=False),
             "fsdp2 packed": data_parallel_case(rank, "fsdp", pack=True),
+            "generator reads zero2": generator_reads_trainer_case(rank),
             "tp": tensor_parallel_case(rank)}
 
 
@@ -170,3 +214,11 @@ def test_tensor_parallel_models_score_packed_sequences_as_the_full_model(reports
     assert got["generator_logprob_diff"] < LOGPROB_ATOL, got
     assert got["trainer_logprob_diff"] < LOGPROB_ATOL, got
     assert got["tp_weight_diff"] < WEIGHT_ATOL, got
+
+
+def test_a_generator_samples_from_a_zero2_trainers_gathered_weights_as_from_its_own_copy(reports) -> None:
+    got = reports["generator reads zero2"]
+    assert got["units"] == DIMS.num_layers + 1, got  # every layer a unit, and the root
+    assert got["whole_tensors"] == 1.0, got  # gathered in place: the module's parameters are plain tensors
+    assert got["logprob_diff"] < LOGPROB_ATOL and got["samples_differ"] == 0, got
+    assert got["second_update_weight_diff"] < WEIGHT_ATOL, got
