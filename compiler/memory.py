@@ -8,9 +8,10 @@ import math
 from dataclasses import dataclass, replace
 
 
+from graphrl.schemas.capabilities import generator_reads_trainer
 from graphrl.schemas.sharding import staging_layers
 from graphrl.compiler import cost
-from graphrl.compiler.candidates import Problem, TrainCfg
+from graphrl.compiler.candidates import GenCfg, Problem, TrainCfg
 from graphrl.compiler.roles import Role
 
 
@@ -119,6 +120,19 @@ def gen_kv_per_token(role: Role, tp: int) -> float:
     return cost.kv_cache_bytes_per_token(role.dims, cost.BF16_BYTES) / cost.kv_shards(role.dims, tp)
 
 
+def reads_trainer(p: Problem, train: TrainCfg, gen: GenCfg | None) -> bool:
+    """Whether a colocated generator of this layout samples from the trainer's own weights
+    (`generator_reads_trainer`, the rule the executors follow): they are charged once, as the trainer
+    holds them (whole, or gathered by FSDP2 from the sync through the next backward), and the sync is
+    that gather or nothing."""
+    if gen is None or train.pp > 1:
+        return False
+    role = p.policy
+    one_unit = cost.fsdp_unit_layers(role.dims, tp=1, dtype_bytes=role.weight_bytes) >= role.dims.num_layers
+    return generator_reads_trainer(colocated=True, gen_tp=gen.tp, precision=gen.precision, train_tp=train.tp,
+                                   sharding=train.sharding, one_unit=one_unit)
+
+
 def gen_weights(role: Role, tp: int, precision: str) -> float:
     """A generator's weight bytes per device: the model's own dtype (a float32 CPU model stores 4 bytes per
     weight); with fp8, the block linears at 1 byte plus their scales and the rest still at the dtype."""
@@ -135,10 +149,11 @@ def engine_weights(role: Role, tp: int, precision: str, engine: str) -> float:
     return 0.0 if engine == "native" else gen_weights(role, tp, precision)
 
 
-def held_weights(role: Role, tp: int, precision: str, engine: str) -> float:
-    """Bytes per device of a generator's weights as its rank holds them: the role's module, and beside it a
-    serving engine's own copy."""
-    return gen_weights(role, tp, precision) + engine_weights(role, tp, precision, engine)
+def held_weights(role: Role, tp: int, precision: str, engine: str, *, reads: bool = False) -> float:
+    """Bytes per device of a generator's weights as its rank holds them beyond the trainer's: the role's
+    module (none when it is the trainer's, `reads`), and beside it a serving engine's own copy."""
+    own = 0.0 if reads else gen_weights(role, tp, precision)
+    return own + engine_weights(role, tp, precision, engine)
 
 
 def engine_resident(role: Role, tp: int, precision: str, engine: str, kv_tokens: float, *,

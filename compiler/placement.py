@@ -44,8 +44,8 @@ from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
 from graphrl.compiler.memory import (MeshMemory, engine_resident, gen_kv_per_token, gen_per_sequence, gen_sync_staging,
-                                     gen_weights, held_weights, infer_state, resident_while_generating, train_state,
-                                     trainer_mesh_memory)
+                                     gen_weights, held_weights, infer_state, reads_trainer, resident_while_generating,
+                                     train_state, trainer_mesh_memory)
 from graphrl.compiler.roles import Workload
 
 
@@ -59,7 +59,7 @@ class GenerationTime(NamedTuple):
     kv_tokens: float  # KV-cache tokens a replica holds
 
 
-def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTime | None:
+def generation_time(p: Problem, gen: GenCfg, free_bytes: float, *, reads: bool = False) -> GenerationTime | None:
     """Seconds of generating one step's responses, the sequences in flight and the KV-cache tokens per
     replica; None if no sequence fits next to the weights. Replicas run in parallel.
 
@@ -69,7 +69,8 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTim
     running responses' tokens (`Lengths.peak_tokens`), and runs in waves only where that exceeds its
     cache. A generator's `memory_fraction` pin is the share of the device its weights and cache take
     (vLLM's gpu_memory_utilization: the engine reserves all of it), so it must be free beside whatever
-    else stays resident while it generates (else None: a layout that offloads more may fit)."""
+    else stays resident while it generates (else None: a layout that offloads more may fit). `reads`: the
+    generator samples from the trainer's weights (`reads_trainer`), which `free_bytes` has left out already."""
     role = p.generator
     assert role is not None
     w = p.workload
@@ -80,7 +81,7 @@ def generation_time(p: Problem, gen: GenCfg, free_bytes: float) -> GenerationTim
             return None
         free_bytes = hint.memory_fraction * p.hw.memory_bytes
     per_seq = gen_per_sequence(p, role, gen.tp)
-    room = free_bytes - held_weights(role, gen.tp, gen.precision, engine)
+    room = free_bytes - held_weights(role, gen.tp, gen.precision, engine, reads=reads)
     share = math.ceil(w.responses / gen.dp)
     if per_seq <= 0 or room < per_seq:
         return None
@@ -137,11 +138,12 @@ def pass_shape(w: Workload, responses: int, d: int, pp: int) -> PassShape:
     return PassShape(responses * seq, keys, responses * lengths.mean, micro)
 
 
-def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
+def role_times(p: Problem, cfg: TrainCfg, *, gathered_at_sync: bool = False) -> dict[CostKey, float]:
     """Seconds per step of each op kind of each role on the trainer mesh, keyed by (kind, role)
     (e.g. TrainStep of policy, Forward of reference); the instruction durations the simulator uses.
     A training step is `updates_per_step` passes of `optimizer_steps` optimizer steps, each over its
-    mini-batch."""
+    mini-batch. `gathered_at_sync`: a colocated generator's weight sync gathered the policy's weights
+    (`reads_trainer`), so the first optimizer step's forward gathers nothing."""
     w = p.workload
     d = cfg.dp * cfg.fsdp
     spans_dp = p.spans(cfg.first, cfg.n) if d > 1 else False
@@ -160,12 +162,15 @@ def role_times(p: Problem, cfg: TrainCfg) -> dict[CostKey, float]:
         if role.kind == "infer":
             out[CostKey("Forward", role.name)] = forward
             continue
-        step = timing.training_step_time(
-            role.dims, tokens=mini.tokens, seq_len=mini.keys, head_rows=mini.head_rows, microbatches=mini.microbatches,
-            sharding=cfg.sharding, recompute=cfg.recompute, dtype_bytes=role.weight_bytes,  # type: ignore[arg-type]
-            **common)
+        shape = dict(tokens=mini.tokens, seq_len=mini.keys, head_rows=mini.head_rows, microbatches=mini.microbatches,
+                     sharding=cfg.sharding, recompute=cfg.recompute, dtype_bytes=role.weight_bytes)
+        step = timing.training_step_time(role.dims, **shape, **common).total_s  # type: ignore[arg-type]
+        first = step
+        if gathered_at_sync and role is p.policy:
+            first = timing.training_step_time(role.dims, **shape, **common,  # type: ignore[arg-type]
+                                              weights_gathered=True).total_s
         steps = w.updates_per_step * w.optimizer_steps
-        out[CostKey("TrainStep", role.name)] = step.total_s * steps + p.hw.op_overhead_s
+        out[CostKey("TrainStep", role.name)] = first + step * (steps - 1) + p.hw.op_overhead_s
         if role is p.policy:  # the step's metrics (reward, loss, ...) are all-reduced over the trainer ranks
             out[CostKey("TrainStep", role.name)] += timing.collective_time(
                 "all_reduce", METRICS_BYTES, cfg.n, p.hw, p.spans(cfg.first, cfg.n))
@@ -188,10 +193,10 @@ def offload_bytes(p: Problem, cfg: TrainCfg) -> float:
     return moved
 
 
-def trainer_times(p: Problem, cfg: TrainCfg) -> dict[str, float]:
+def trainer_times(p: Problem, cfg: TrainCfg, *, gathered_at_sync: bool = False) -> dict[str, float]:
     """Seconds per step of the trainer mesh's phases: frozen forwards ('infer'), updates ('train') and
-    moving idle state to host and back ('offload')."""
-    per_role = role_times(p, cfg)
+    moving idle state to host and back ('offload'); `gathered_at_sync` as for `role_times`."""
+    per_role = role_times(p, cfg, gathered_at_sync=gathered_at_sync)
     return {
         "infer": sum(v for k, v in per_role.items() if k.kind == "Forward"),
         "train": sum(v for k, v in per_role.items() if k.kind == "TrainStep"),
@@ -307,8 +312,9 @@ def _reject(ev: Evaluated, role: str, needed: float, available: float, why: str)
 
 def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: MeshMemory | None = None,
                        times: dict[str, float] | None = None) -> Evaluated:
-    """One colocated candidate. `mem` and `times` are the trainer's own figures (they do not depend on
-    the generator), passed in when the search already has them for this trainer."""
+    """One colocated candidate. `mem` and `times` are the trainer's own figures, passed in when the search
+    already has them for this trainer (`times` with `gathered_at_sync` as this generator reads the
+    trainer's weights, `reads_trainer`)."""
     ev = Evaluated("colocated", train, gen, fits=True)
     mem = mem or trainer_mesh_memory(p, train)
     if mem.peak > p.usable:
@@ -320,9 +326,10 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
         assert g is not None
         engine = p.engine_of(g.name)
         resident = resident_while_generating(mem)
-        res = generation_time(p, gen, p.usable - resident)
+        reads = reads_trainer(p, train, gen)
+        res = generation_time(p, gen, p.usable - resident, reads=reads)
         if res is None:
-            weights = held_weights(g, gen.tp, gen.precision, engine)
+            weights = held_weights(g, gen.tp, gen.precision, engine, reads=reads)
             need = resident + weights + gen_per_sequence(p, g, gen.tp)
             return _reject(ev, g.name, need, p.usable,
                            f"generator weights ({weights / GB:.1f} GB{_with_engine_copy(engine)}) beside "
@@ -335,14 +342,14 @@ def evaluate_colocated(p: Problem, train: TrainCfg, gen: GenCfg | None, *, mem: 
                            f"while the trainer's phases need {mem.peak / GB:.1f} GB (it cannot sleep on "
                            f"{p.hw.kind.upper()}s)")
         staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=True, engine=engine)
-        need = resident + gen_weights(g, gen.tp, gen.precision) + staging + kept
+        need = resident + held_weights(g, gen.tp, gen.precision, "native", reads=reads) + staging + kept
         if staging and need > p.usable:
             return _reject(ev, g.name, need, p.usable,
                            f"the generator's weight sync stages {staging / GB:.1f} GB per device beside its "
                            f"weights and {resident / GB:.1f} GB of trainer state")
         phases["generate"] = res[0]
         phases["reshard_in_place"] = reshard_in_place_time(p, train, gen)[0]
-    times = times or trainer_times(p, train)
+    times = times or trainer_times(p, train, gathered_at_sync=reads_trainer(p, train, gen))
     phases.update(infer=times["infer"], train=times["train"], offload=times["offload"])
     ev.phases = {k: v for k, v in phases.items() if v > 0 or k in ("generate", "train")}
     ev.step_time_s = sum(ev.phases.values())
@@ -412,10 +419,13 @@ def search(p: Problem, *, exhaustive: bool = False, beam: int = 4) -> SearchResu
         gens = gen_cfgs(p, 0, n) if p.generator else [None]
         for train in train_cfgs(p, 0, n):
             mem = trainer_mesh_memory(p, train)
-            times = trainer_times(p, train) if mem.peak <= p.usable else None
+            times: dict[bool, dict[str, float]] = {}  # by whether the generator reads the trainer's weights
             for gen in gens:
                 considered += 1
-                colocated.append(evaluate_colocated(p, train, gen, mem=mem, times=times))
+                reads = reads_trainer(p, train, gen)
+                if mem.peak <= p.usable and reads not in times:
+                    times[reads] = trainer_times(p, train, gathered_at_sync=reads)
+                colocated.append(evaluate_colocated(p, train, gen, mem=mem, times=times.get(reads)))
     if "colocated" in families:
         evaluated.extend(colocated)
     if "disaggregated" in families:

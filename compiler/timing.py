@@ -519,7 +519,8 @@ class StepCost:
 
 
 def _data_parallel_comm(
-    dims: ModelDims, sharding: str, d: int, tp: int, pp: int, hw: HardwareSpec, spans_nodes: bool, units: int
+    dims: ModelDims, sharding: str, d: int, tp: int, pp: int, hw: HardwareSpec, spans_nodes: bool, units: int,
+    gathered: bool = False,
 ) -> tuple[float, float]:
     """Per-step data-parallel collectives of a training role: (overlappable_s, not_overlappable_s).
 
@@ -532,6 +533,8 @@ def _data_parallel_comm(
         unit in forward (`units`, as `fsdp_units` counts them), and reduce-scatter grads during backward;
       fsdp: all-gather weights for forward and again for backward (resharded after forward), and
         reduce-scatter grads, all prefetched unit by unit.
+    `gathered`: the weights are whole when forward starts (a colocated generator's weight sync gathered
+    them, `generator_reads_trainer`): forward gathers nothing.
     """
     if d <= 1:
         return 0.0, 0.0
@@ -544,10 +547,11 @@ def _data_parallel_comm(
         return all_reduce, chunked_collective_time("all_gather", buffer, buckets, d, hw, spans_nodes)
     gather = chunked_collective_time("all_gather", buffer, units, d, hw, spans_nodes)
     scatter = chunked_collective_time("reduce_scatter", buffer, units, d, hw, spans_nodes)
+    forward_gather = 0.0 if gathered else gather
     if sharding == "fsdp":
-        return 2 * gather + scatter, 0.0
+        return forward_gather + gather + scatter, 0.0
     if sharding == "zero2":
-        return gather + scatter, 0.0
+        return forward_gather + scatter, 0.0
     raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
 
 
@@ -610,6 +614,7 @@ def training_step_time(
     microbatches: int | None = None,
     dtype_bytes: float = BF16_BYTES,
     head_rows: float | None = None,
+    weights_gathered: bool = False,
 ) -> StepCost:
     """Seconds of one optimizer step over `tokens` tokens (the global batch, all data-parallel ranks) in
     sequences of `seq_len`, with the output head on `head_rows` of them (all by default; the executors
@@ -629,7 +634,8 @@ def training_step_time(
       the backward compute for DDP and ZeRO-1 (2/3 of compute, 3/4 with recompute) and within forward +
       backward for the FSDP2 shardings (zero2, fsdp); ZeRO-1's weight broadcast after the optimizer
       step is fully exposed, and so are the update's small all-reduces before its loss (the batch's
-      token counts, and with micro-batches their count).
+      token counts, and with micro-batches their count). `weights_gathered`: forward finds the weights
+      gathered (by a colocated generator's weight sync) and gathers nothing.
     - host: per micro-batch, `train_layer_overhead_s` per layer (plus `layer_overhead_s` with recompute,
       and `data_parallel_layer_overhead_s` on a data-parallel rank) and `train_pass_overhead_s`, plus
       `sharded_unit_overhead_s` per FSDP2 unit where FSDP2 shards the model; and per step
@@ -654,7 +660,8 @@ def training_step_time(
     pp_comm = _pipeline_p2p(dims, tokens_per_micro_batch, tp, pp, m, 2, hw, pp_spans_nodes)
 
     units = fsdp_units(dims, tp=tp, dtype_bytes=dtype_bytes, pp=pp)
-    overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes, units)
+    overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes, units,
+                                                         gathered=weights_gathered)
     if d > 1:  # the update's own all-reduces: the batch's token counts, and the micro-batch count
         not_overlappable += (1 + (m > 1)) * collective_time("all_reduce", UPDATE_COUNTS_BYTES, d, hw, dp_spans_nodes)
     if sharding in ("fsdp", "zero2"):  # the first gather and the last reduction are one unit's

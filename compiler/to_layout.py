@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from graphrl.schemas.capabilities import generator_reads_trainer
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.sharding import staging_layers
 from graphrl.engine_support import engine_sleeps
@@ -26,7 +25,7 @@ from graphrl.schemas.program import CostKey
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import Evaluated, Problem
 from graphrl.compiler.memory import (engine_resident, engine_weights, gen_kv_per_token, gen_sync_staging, gen_weights,
-                                     resident_while_generating, trainer_mesh_memory)
+                                     reads_trainer, resident_while_generating, trainer_mesh_memory)
 from graphrl.compiler.placement import (SearchResult, generation_time, reshard_in_place_time, role_times,
                                         rollout_transfer_time, weight_sync_time)
 from graphrl.compiler.roles import Role, effective_mode
@@ -52,7 +51,8 @@ def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey,
     """Predicted seconds of each (instruction kind, role) on a candidate's layout, from the cost model:
     every role's forward and update, generation, the in-place reshard of a colocated policy, and the
     per-job kinds. Weight syncs by DDMA are timed by their own planner (compiler/weight_sync.py)."""
-    durations = dict(role_times(p, ev.train))
+    reads = layout.strategy == "colocated" and reads_trainer(p, ev.train, ev.gen)
+    durations = dict(role_times(p, ev.train, gathered_at_sync=reads))
     overhead = p.hw.op_overhead_s
     durations.update({CostKey("Rule"): overhead, CostKey("Advantage"): overhead, CostKey("Checkpoint"): overhead,
                       CostKey("ReleaseWeights"): 0.0})
@@ -62,7 +62,7 @@ def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey,
         if layout.strategy == "colocated":
             free = p.usable - resident_while_generating(trainer_mesh_memory(p, ev.train))
             durations[CostKey("ReshardInPlace", p.policy.model)] = reshard_in_place_time(p, ev.train, ev.gen)[0]
-        res = generation_time(p, ev.gen, free)
+        res = generation_time(p, ev.gen, free, reads=reads)
         durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
     return durations
 
@@ -102,12 +102,14 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             free = p.usable
         else:
             free = p.usable - resident_while_generating(mem)
-        res = generation_time(p, gen, free)
+        # A generator that samples from the trainer's weights holds none of its own: the trainer's are charged.
+        reads = ev.strategy == "colocated" and reads_trainer(p, train, gen)
+        res = generation_time(p, gen, free, reads=reads)
         concurrent = res.concurrent if res else 1
         gmem = cost.inference_memory(g.dims, tp=gen.tp, pp=1, precision=gen.precision,  # type: ignore[arg-type]
                                      batch=concurrent, context_len=p.workload.seq_len, generator=True)
         kv_tokens = res.kv_tokens if res else p.workload.seq_len
-        gmem = replace(gmem, params=gen_weights(g, gen.tp, gen.precision),
+        gmem = replace(gmem, params=0.0 if reads else gen_weights(g, gen.tp, gen.precision),
                        kv_cache=kv_tokens * gen_kv_per_token(g, gen.tp),
                        engine_weights=engine_weights(g, gen.tp, gen.precision, engine))
         sleeps = engine_sleeps(engine, colocated=ev.strategy == "colocated", device_kind=p.hw.kind)
@@ -118,10 +120,6 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         ))
         if ev.strategy == "colocated":
             t, b = reshard_in_place_time(p, train, gen)
-            reads = generator_reads_trainer(
-                colocated=True, gen_tp=gen.tp, precision=gen.precision, train_tp=train.tp, sharding=train.sharding,
-                one_unit=cost.fsdp_unit_layers(p.policy.dims, tp=1, dtype_bytes=p.policy.weight_bytes)
-                >= p.policy.dims.num_layers)
             if reads and b:
                 fill = (f"gather the trainer's {train.sharding} shards in place: the generator samples from the "
                         "gathered weights, which the trainer's next forward and backward use")

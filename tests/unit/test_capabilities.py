@@ -92,6 +92,27 @@ def test_the_preview_says_a_sharded_trainer_is_gathered_for_its_generator(shardi
     sync = next(op for op in plan.chosen.operations if op.kind == "reshard_in_place")
     assert sync.detail.startswith(f"gather the trainer's {sharding} shards in place"), sync.detail
     assert sync.num_bytes > 0
+    # Its weights are the trainer's gathered ones, charged once: with the trainer, in every phase.
+    gen, trainer = (next(p for p in plan.chosen.placements if p.kind == kind) for kind in ("generate", "train"))
+    assert gen.memory_bytes.params == 0.0 and trainer.memory_bytes.gathered > 0
+
+
+def test_a_trainer_gathered_by_its_generators_sync_is_not_charged_the_forward_gather_again() -> None:
+    """The sync's gather is the one the first forward would do: the policy's predicted update drops it
+    (zero2, fsdp), and a replicated trainer's gathers nothing either way."""
+    from graphrl.compiler.placement import role_times
+    from graphrl.schemas.program import CostKey
+
+    p = _problem("grpo_tiny.yaml", "local-cpu-2", "run")
+    update = CostKey("TrainStep", p.policy.name)
+    by_sharding = {cfg.sharding: cfg for cfg in train_cfgs(p, 0, p.num_devices) if cfg.tp == 1 and not cfg.offload
+                   and not cfg.recompute}
+    for sharding, cfg in by_sharding.items():
+        plain, gathered = role_times(p, cfg)[update], role_times(p, cfg, gathered_at_sync=True)[update]
+        if sharding in ("zero2", "fsdp"):
+            assert gathered < plain, sharding
+        else:
+            assert gathered == plain, sharding
 
 
 def _problem(example: str, cluster: str | None, target: str):  # noqa: ANN202

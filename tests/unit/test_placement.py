@@ -107,7 +107,9 @@ def test_fp8_pin_on_hardware_without_fp8_names_the_field(tmp_path):
 
 def test_cpu_runs_fp8_generation_only_when_pinned():
     """cpu-local dequantizes fp8 at use, so fp8 saves memory there but no time: the search keeps the
-    unquantized generator, and a pin gets an fp8 generator charged less weight memory."""
+    unquantized generator, and a pin gets an fp8 generator charged less weight memory than a copy at the
+    model's dtype. (Colocated beside grpo_tiny's trainer, whose weights are whole on each rank, the unquantized generator samples from the
+    trainer's own weights and is charged none of its own.)"""
     plain = compile_example("grpo_tiny.yaml")
     job = apply_overrides(load_job(EXAMPLES / "grpo_tiny.yaml"),
                           [parse_override("placement.roles.policy/generate.precision=fp8")])
@@ -115,7 +117,10 @@ def test_cpu_runs_fp8_generation_only_when_pinned():
     gen = {p.role: p for p in plain.chosen.placements}["policy/generate"]
     gen_fp8 = {p.role: p for p in pinned.chosen.placements}["policy/generate"]
     assert gen.precision == "bf16" and gen_fp8.precision == "fp8"
-    assert gen_fp8.memory_bytes.params < 0.6 * gen.memory_bytes.params
+    trainer = {p.role: p for p in plain.chosen.placements}["policy"]
+    assert plain.chosen.strategy == "colocated" and trainer.sharding in ("none", "zero1")
+    assert gen.memory_bytes.params == 0.0
+    assert 0 < gen_fp8.memory_bytes.params < 0.6 * trainer.memory_bytes.params
     assert pinned.chosen.estimate.step_time_s >= plain.chosen.estimate.step_time_s
 
 
