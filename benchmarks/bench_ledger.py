@@ -15,14 +15,16 @@ see the same machine load. Reported per kind:
   their ratio new / base (target <= 1.05 on the same layout; zero2 now gathers weights through FSDP2
   where the base ran DDP, so its ratio compares two executions of the same plan entry).
 
-Measured on the project's 2-core CPU machine (medians of best of 3 rounds, 12 steps, nothing else
-running), 2 ranks: ledger/plan 1.000 (none, zero2, fsdp), 1.003 (zero1: the shares are whole tensors),
-1.002 (tp); the base held 1.600x its plan for zero1, 1.778x for zero2, 0.802x for fsdp. Step time
-new/base in three runs: none 0.98-1.10, zero1 1.06-1.14, zero2 1.20-1.28, fsdp 0.61-0.70, tp 1.00-1.08
-(the machine moves single ratios by up to 10%). zero2 and fsdp gather and reduce through FSDP2 where the
-base ran zero2 as DDP; a model smaller than one FSDP2 unit (`FSDP_UNIT_BYTES`) is one unit, and the
-colocated generator's copy is gathered a unit at a time (it was a collective per tensor: zero2 read
-1.95 before that).
+Measured on the project's 2-core CPU machine (nothing else running), 2 ranks: ledger/plan 1.000 (none,
+zero2, fsdp), 1.003 (zero1: the shares are whole tensors), 1.002 (tp); the base held 1.600x its plan for
+zero1, 1.778x for zero2, 0.802x for fsdp. Step time new/base moves by 10-30% from one invocation to the
+next on this machine (the base ran none and zero2 alike, as DDP, and they differed by 26% in one
+command), so read single ratios with care. With the defaults (12 steps, 3 rounds): none 0.71, zero1 1.19,
+zero2 1.17, fsdp 0.64, tp 0.94; with `--steps 30 --rounds 5`: none 0.99, zero1 0.84, zero2 0.99. A
+colocated generator samples from a zero2 trainer's weights gathered in place (the sync's gather is the
+one the next forward would do) and from a one-unit fsdp trainer's; beside an fsdp trainer of several
+units it gathers its own copy a unit at a time (it was a collective per tensor: zero2 read 1.95 before
+that).
 """
 
 from __future__ import annotations
