@@ -177,7 +177,8 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                 b = {key: rollouts[key][rows] for key in ROW_FIELDS}
                 part = None if old is None else old[rows]
                 weights = opt_step.weights.rows(micro)
-                with _gradient_sync(module, enabled=k == len(opt_step.micro) - 1):
+                with _gradient_sync(module, enabled=k == len(opt_step.micro) - 1,
+                                    keep_gathered=role.placement.sharding == "zero2"):
                     if critic:
                         values = module(*(b[key] for key in ROW_FIELDS))
                         loss, part_metrics = loss_fns.critic_objective(values, part, advantages["returns"][rows],
@@ -209,30 +210,38 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
     return metrics
 
 
-def _gradient_sync(module: nn.Module, *, enabled: bool) -> Any:
+def _gradient_sync(module: nn.Module, *, enabled: bool, keep_gathered: bool = False) -> Any:
     """A context in which `module`'s backward does (or, for all but a step's last micro-batch, does not)
     reduce gradients over the data-parallel ranks: DDP's `no_sync`, FSDP2's
-    `set_requires_gradient_sync`; nothing for a module without a wrapper."""
+    `set_requires_gradient_sync`; nothing for a module without a wrapper. `keep_gathered` (zero2): FSDP2
+    also keeps the weights gathered after such a backward, so the next micro-batch's forward gathers
+    nothing and the step gathers its weights once, as the plan charges zero2."""
     if enabled:
         return contextlib.nullcontext()
     if hasattr(module, "no_sync"):
         return module.no_sync()
     if hasattr(module, "set_requires_gradient_sync"):
-        return _FsdpNoSync(module)
+        return _FsdpNoSync(module, keep_gathered)
     return contextlib.nullcontext()
 
 
 class _FsdpNoSync:
-    """FSDP2's gradient reduction switched off for the block (gradients accumulate unsharded)."""
+    """FSDP2's gradient reduction switched off for the block (gradients accumulate unsharded) and, with
+    `keep_gathered`, its resharding after backward."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, keep_gathered: bool) -> None:
         self.module = module
+        self.keep_gathered = keep_gathered
 
     def __enter__(self) -> None:
         self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        if self.keep_gathered:
+            self.module.set_reshard_after_backward(False)  # type: ignore[operator]
 
     def __exit__(self, *exc: object) -> None:
         self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        if self.keep_gathered:
+            self.module.set_reshard_after_backward(True)  # type: ignore[operator]
 
 
 __all__ = ["OptimizerStep", "batch_sum", "data_parallel_group", "loss_weights", "micro_batches", "mini_batches",

@@ -4,8 +4,9 @@
   6, optimizer step k takes the k-th 3 rows of each rank, its loss aggregated over those 6 responses
   (counts all-reduced). That must be the update of one rank holding the whole batch ordered as the
   mini-batches take it, to float32 rounding (data-parallel gradients are summed in another order).
-- A colocated generator that samples from a zero2 trainer's own module (`generator_reads_trainer`), with
-  every decoder layer an FSDP2 unit of its own: gathered in place, the module scores and samples as the
+- A zero2 trainer with every decoder layer an FSDP2 unit of its own gathers each unit once per optimizer
+  step, however many micro-batches the step takes. A colocated generator that samples from its module
+  (`generator_reads_trainer`): gathered in place, the module scores and samples as the
   one-rank model with the same weights, and the trainer's next update (whose forward finds the weights
   gathered, after the generation ran every unit's hooks) is still the one-rank update.
 - Tensor parallel: the generator's `TensorParallelLlama` (explicit shards) and the trainer's
@@ -69,7 +70,7 @@ def role(model: torch.nn.Module, wrapped: torch.nn.Module, wrapping: str, shardi
          a: AlgorithmSpec) -> RoleState:
     optimizer = build_optimizer(wrapped, sharding, wrapping, group, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay)
     placement = RolePlacement(role="policy", model="policy", kind="train", ops=["train"], mesh="trainer",
-                              memory_bytes=MemoryBytes())
+                              sharding=sharding, memory_bytes=MemoryBytes())
     return RoleState(placement, model, wrapped, wrapping, optimizer)
 
 
@@ -122,6 +123,25 @@ def _mean_over_ranks(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+class _counting_gathers:
+    """Counts FSDP2's unit gathers (one `foreach_all_gather` per unit) until `restore`."""
+
+    def __init__(self) -> None:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+        self.module, self.count = _fsdp_param_group, 0
+        self.original = _fsdp_param_group.foreach_all_gather
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        _fsdp_param_group.foreach_all_gather = counted
+
+    def restore(self) -> None:
+        self.module.foreach_all_gather = self.original
+
+
 def generator_reads_trainer_case(rank: int) -> dict[str, float]:
     model, a = policy(), algorithm()
     r, advantages = rollouts(model)
@@ -139,7 +159,11 @@ def generator_reads_trainer_case(rank: int) -> dict[str, float]:
     trainer = role(model, wrapped, wrapping, "zero2", group, a)
     one_rank = role(whole, *wrap_trainer(whole, "none", None, torch.device("cpu")), "none", None, a)
     one_rt = Runtime(0, 1, torch.device("cpu"), {})
-    update(trainer, *rows_of(r, advantages, half), a, group, rt)
+    gathers = _counting_gathers()
+    try:
+        update(trainer, *rows_of(r, advantages, half), a, group, rt)
+    finally:
+        gathers.restore()
     update(one_rank, *rows_of(r, advantages, MINI_BATCH_ORDER), a, None, one_rt)
 
     gather_in_place(wrapped)  # the weight sync of a generator that samples from the trainer's module
@@ -154,7 +178,9 @@ def generator_reads_trainer_case(rank: int) -> dict[str, float]:
 
     update(trainer, *rows_of(r, advantages, half), a, group, rt)  # the forward finds the weights gathered
     update(one_rank, *rows_of(r, advantages, MINI_BATCH_ORDER), a, None, one_rt)
-    return {"units": float(units), "whole_tensors": float(worst(0.0 if whole_tensors else 1.0) == 0.0),
+    steps = training.optimizer_steps(rows_of(r, advantages, half)[0], a, group, rt)[0]
+    return {"units": float(units), "gathers_per_optimizer_step": gathers.count / len(steps),
+            "micro_batches": float(len(steps[0].micro)), "whole_tensors": float(worst(0.0 if whole_tensors else 1.0) == 0.0),
             "logprob_diff": worst(float((got_lp - want_lp).abs().max())),
             "samples_differ": worst(float((sampled != expected).sum())),
             "second_update_weight_diff": worst(max_diff(full_state_dict(model), whole))}
@@ -219,6 +245,8 @@ def test_tensor_parallel_models_score_packed_sequences_as_the_full_model(reports
 def test_a_generator_samples_from_a_zero2_trainers_gathered_weights_as_from_its_own_copy(reports) -> None:
     got = reports["generator reads zero2"]
     assert got["units"] == DIMS.num_layers + 1, got  # every layer a unit, and the root
+    # Micro-batches accumulate with the weights kept gathered: each optimizer step gathers every unit once.
+    assert got["micro_batches"] > 1 and got["gathers_per_optimizer_step"] == got["units"], got
     assert got["whole_tensors"] == 1.0, got  # gathered in place: the module's parameters are plain tensors
     assert got["logprob_diff"] < LOGPROB_ATOL and got["samples_differ"] == 0, got
     assert got["second_update_weight_diff"] < WEIGHT_ATOL, got
