@@ -17,7 +17,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import click
 from pydantic import ValidationError
@@ -79,17 +79,47 @@ def _script_location(script: Path, exc: BaseException) -> Location:
     return Location(str(script), lines[-1] if lines else None)
 
 
-def load_any(path: str) -> LoadedJob:
-    """A job from YAML, or from a Python file defining `build_job()` (or a `job` JobSpec)."""
+def _run_script(p: Path) -> Any:
+    """The JobSpec a Python job file builds: it runs with sys.argv of its own path only (graphrl's command
+    line is not its arguments), and a `sys.exit` in it (argparse's, for one) is an error of the job's,
+    located at its line, never the end of graphrl. What it writes on stderr is shown after it ran, or
+    (its last line: argparse's complaint) in that error."""
+    import contextlib
+    import io
+
+    argv, captured = sys.argv, io.StringIO()
+    sys.argv = [str(p)]
+    try:  # build_job() runs inside the try too: its mistakes are the script's, located in it
+        with contextlib.redirect_stderr(captured):
+            namespace = runpy.run_path(str(p))
+            factory: Callable[[], Any] | None = namespace.get("build_job")
+            spec = factory() if callable(factory) else namespace.get("job")
+    except SystemExit as exc:
+        said = [line for line in captured.getvalue().splitlines() if line.strip()]
+        call = "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+        raise JobError(f"the Python job called {call} while graphrl read it" + (f": {said[-1].strip()}" if said else ""),
+                       location=_script_location(p, exc),
+                       fix="a job file is read, not run: build the job in build_job() without sys.exit or argument "
+                           "parsing, and keep those under `if __name__ == \"__main__\":` (it gets no arguments)") from None
+    except Exception:
+        sys.stderr.write(captured.getvalue())
+        raise
+    finally:
+        sys.argv = argv
+    sys.stderr.write(captured.getvalue())
+    return spec
+
+
+def load_any(path: str, overrides: Sequence[Override] = ()) -> LoadedJob:
+    """A job from YAML, or from a Python file defining `build_job()` (or a `job` JobSpec), with `overrides`
+    applied before the files it names are checked."""
     p = Path(path)
     if p.suffix != ".py":
-        return load_job(p)
+        return load_job(p, overrides)
     if not p.exists():
         raise JobError(f"file not found: {p}", fix="check the path")
-    try:  # build_job() runs inside the try too: its mistakes are the script's, located in it
-        namespace = runpy.run_path(str(p))
-        factory: Callable[[], Any] | None = namespace.get("build_job")
-        spec = factory() if callable(factory) else namespace.get("job")
+    try:
+        spec = _run_script(p)
     except GraphRLError as exc:
         raise exc.located(_script_location(p, exc))
     except Exception as exc:
@@ -105,7 +135,8 @@ def load_any(path: str) -> LoadedJob:
                        location=Location(str(p)), fix="see examples/grpo_tiny.py")
     from graphrl.loader import with_files_resolved
 
-    return with_files_resolved(LoadedJob(spec, SourceMap(str(p)), p))
+    loaded = LoadedJob(spec, SourceMap(str(p)), p)
+    return apply_overrides(loaded, overrides) if overrides else with_files_resolved(loaded)
 
 
 def set_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -118,7 +149,7 @@ def set_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def load_with_sets(path: str, sets: tuple[str, ...] = ()) -> LoadedJob:
     """A job (YAML or Python) with the `--set` overrides applied in the order given."""
-    return apply_overrides(load_any(path), [parse_override(text) for text in sets])
+    return load_any(path, [parse_override(text) for text in sets])
 
 
 def checked_graph(job: LoadedJob, cluster: ClusterSpec | None = None, target: str = "preview") -> JobGraph:
@@ -583,7 +614,7 @@ def _resume_hint(job: str, out_dir: Path) -> str:
 @click.option("--steps", type=int, help="Number of RL steps.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("launch"),
               show_default=True, help="Folder for the plan and the script.")
-@click.option("--port", type=int, default=29512, show_default=True, help="Rendezvous port.")
+@click.option("--port", type=click.IntRange(1, 65535), default=29512, show_default=True, help="Rendezvous port.")
 @set_option
 def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: Path, port: int,
            sets: tuple[str, ...]) -> None:

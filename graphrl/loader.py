@@ -197,6 +197,11 @@ def _unwrap(annotation: Any) -> list[Any]:
     return [annotation]
 
 
+def _written_keys(model: type[BaseModel]) -> dict[str, str]:
+    """The keys a job writes for `model`'s fields (an alias where one is set: `from`) -> the field names."""
+    return {f.alias or name: name for name, f in model.model_fields.items()}
+
+
 def _model_at(root: type[BaseModel], path: Path_, data: Any) -> type[BaseModel] | None:
     """The schema class describing the mapping at `path` (for 'allowed keys' hints)."""
     current: list[Any] = [root]
@@ -206,7 +211,7 @@ def _model_at(root: type[BaseModel], path: Path_, data: Any) -> type[BaseModel] 
         for t in current:
             origin = typing.get_origin(t)
             if isinstance(t, type) and issubclass(t, BaseModel):
-                f = t.model_fields.get(str(part))
+                f = t.model_fields.get(_written_keys(t).get(str(part), str(part)))
                 if f is not None:
                     nxt.extend(_unwrap(f.annotation))
             elif origin in (dict, list, tuple):
@@ -252,7 +257,7 @@ def _describe(err: dict[str, Any], path: Path_, root: type[BaseModel], data: Any
     kind = err["type"]
     if kind == "extra_forbidden":
         parent = _model_at(root, path[:-1], data)
-        allowed = list(parent.model_fields) if parent else []
+        allowed = list(_written_keys(parent)) if parent else []
         key = str(path[-1]) if path else "?"
         close = difflib.get_close_matches(key, allowed, n=1)
         fix = f"did you mean {close[0]!r}?" if close else (f"allowed keys: {', '.join(allowed)}" if allowed else None)
@@ -313,6 +318,13 @@ def validation_error(exc: ValidationError, root: type[BaseModel], data: Any, sou
     for err in exc.errors():
         by_path.setdefault(_data_path(tuple(err["loc"]), data), []).append(err)
     path, errors = next(iter(by_path.items()))
+    # A misspelt key (`max_new_token`) is also the required key it was meant to be, missing: the typo is
+    # the mistake to report, at its own line, and the missing key no further error.
+    typos = _misspelt_keys(by_path)
+    if typos:
+        path, meant = next(iter(typos.items()))
+        errors = by_path[path]
+        del by_path[path[:-1] + (meant,)]
     first = next((e for e in errors if e["type"] == "finite_number"), errors[0])
     message, fix = _describe(first, path, root, data)
     if len(by_path) > 1:
@@ -320,7 +332,24 @@ def validation_error(exc: ValidationError, root: type[BaseModel], data: Any, sou
     return error(message, path=path, fix=fix, location=source.locate(path))
 
 
-def load_job_text(text: str, file: str | None = None) -> LoadedJob:
+def _misspelt_keys(by_path: dict[Path_, list[dict[str, Any]]]) -> dict[Path_, str]:
+    """Unknown keys that are close to a required key missing beside them: path of the unknown key -> the
+    missing key's name."""
+    missing = {path: errors for path, errors in by_path.items() if path and any(e["type"] == "missing" for e in errors)}
+    typos: dict[Path_, str] = {}
+    for path, errors in by_path.items():
+        if not path or not any(e["type"] == "extra_forbidden" for e in errors):
+            continue
+        beside = [str(p[-1]) for p in missing if p[:-1] == path[:-1] and p[-1] not in typos.values()]
+        close = difflib.get_close_matches(str(path[-1]), beside, n=1)
+        if close:
+            typos[path] = close[0]
+    return typos
+
+
+def load_job_text(text: str, file: str | None = None, overrides: Sequence["Override"] = ()) -> LoadedJob:
+    """A job from YAML text, with `overrides` applied before the files it names are checked (a `--set`
+    may be what makes them fit: `--set nodes.prompts.prompt_len=128`)."""
     data, source = parse_yaml(text, file, JobError)
     if not isinstance(data, dict):
         raise JobError(f"a job file must be a mapping of keys, not a {type(data).__name__}",
@@ -330,7 +359,7 @@ def load_job_text(text: str, file: str | None = None) -> LoadedJob:
     except ValidationError as exc:
         raise validation_error(exc, JobSpec, data, source, JobError) from None
     loaded = LoadedJob(spec, source, Path(file) if file else None)
-    return with_files_resolved(loaded)
+    return apply_overrides(loaded, overrides) if overrides else with_files_resolved(loaded)
 
 
 def with_files_resolved(loaded: LoadedJob) -> LoadedJob:
@@ -345,10 +374,11 @@ def with_files_resolved(loaded: LoadedJob) -> LoadedJob:
         raise
 
 
-def load_job(path: str | Path) -> LoadedJob:
-    """Read and validate a job file. Raises JobError with file, line, column and field path."""
+def load_job(path: str | Path, overrides: Sequence["Override"] = ()) -> LoadedJob:
+    """Read and validate a job file (with `overrides` applied). Raises JobError with file, line, column and
+    field path."""
     path = Path(path)
-    return load_job_text(_read_text(path, JobError), str(path))
+    return load_job_text(_read_text(path, JobError), str(path), overrides)
 
 
 # --- overrides: `--set KEY=VALUE` ------------------------------------------------------------------
@@ -410,13 +440,15 @@ def _assign(data: dict[str, Any], o: Override) -> None:
         key: str | int = part
         if models and isinstance(container, dict):
             model = models[0]
-            if part not in model.model_fields:
-                allowed = list(model.model_fields)
+            written = _written_keys(model)
+            if part not in written:
+                allowed = list(written)
                 close = difflib.get_close_matches(part, allowed, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 raise JobError(f"unknown key {part!r}", path=here + (part,), location=where,
                                fix=f"{hint}keys {'under ' + format_path(here) if here else 'of a job'}: {', '.join(allowed)}")
-            annotation = model.model_fields[part].annotation
+            key = written[part]  # the job's data is dumped by field name (`from_run`), not alias (`from`)
+            annotation = model.model_fields[key].annotation
         elif mappings and isinstance(container, dict):
             noun = _DECLARED_NAMES.get(tuple(here))
             if noun is not None and part not in container:

@@ -89,6 +89,9 @@ EXPECTED: dict[str, Expect] = {
     "top_p_above_one.yaml": Expect("nodes.rollout.top_p", 24, "less than or equal to 1"),
     "empty_section.yaml": Expect("run", 47, "(got None)"),  # an empty value is null, not a YAML syntax error
     "missing_required_field.yaml": Expect("nodes.rollout.max_new_tokens", 18, "required field is missing"),
+    # a misspelt required key is the typo at its own line, not the key it was meant to be, missing
+    "misspelt_required_key.yaml": Expect("nodes.rollout.max_new_token", 22,
+                                         "unknown key 'max_new_token'\n  fix: did you mean 'max_new_tokens'?"),
     "node_without_op.yaml": Expect("nodes.score", 25, "no 'op'"),
     "unknown_estimator.yaml": Expect("nodes.adv.estimator", 31, "unknown advantage estimator; known: gae, grpo, reinforce_pp, rloo"),
     # -- references between nodes -------------------------------------------------------------------
