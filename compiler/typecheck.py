@@ -7,7 +7,10 @@ Checks, each failing with the place in the job file and a fix:
 - symbolic sizes unify along edges and agree with the sizes nodes bind (batch size, prompt length,
   group size, response length): one union-find over (node, symbol) pairs, walked in topological order
   so a conflict is reported at the first input that contradicts what is already known;
-- reward functions and tasks resolve; a KL penalty has its reference log-probs;
+- reward functions and tasks resolve and take the arguments the executors call them with (a registered
+  task is built here with its options, as a rank builds it, and its prompts must fit prompt_len); an
+  estimator with a group baseline (grpo, rloo) gets a group of two or more responses per prompt; a KL
+  penalty has its reference log-probs;
 - for `run` (and `validate`), every model's dtype is one the executors run (not a float16 trainer);
 - placement pins are ones the placement search can lay out (`graphrl.compiler.candidates.check_pins`, the
   one check of them, which the search runs too): against the model, what the executors run, and, once
@@ -18,6 +21,7 @@ Checks, each failing with the place in the job file and a fix:
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -29,7 +33,8 @@ from graphrl.ops import OPS, op_kind
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.capabilities import Target, dtype_refusal
 from graphrl.schemas.cluster import ClusterSpec
-from graphrl.tasks import REWARDS, TASKS, resolve_callable
+from graphrl.schemas.job import DatasetNode
+from graphrl.tasks import REWARD_ARGS, REWARDS, TASKS, DigitTask, call_mismatch, resolve_callable
 
 from graphrl.compiler.candidates import check_pins
 from graphrl.compiler.lengths import lengths_of
@@ -203,29 +208,107 @@ def _check_references(graph: JobGraph) -> None:
     for node in graph.nodes():
         spec = node.spec
         if node.op == "reward" and spec.fn is not None:
-            try:
-                resolve_callable(spec.fn, REWARDS, "reward function")
-            except LookupError as exc:
-                raise JobError(str(exc), path=("nodes", node.name, "fn"),
-                               fix="use a registered rule or a 'module:function' on PYTHONPATH") from None
+            _check_reward_fn(node.name, spec.fn)
         if node.op == "reward" and spec.rules:
-            from graphrl.rewards import ANSWER_RULES
+            from graphrl.rewards import ANSWER_RULE_ARGS, ANSWER_RULES
 
             for rule in spec.rules:
+                path = ("nodes", node.name, "rules", rule)
                 try:
-                    resolve_callable(rule, ANSWER_RULES, "answer reward rule")
+                    fn = resolve_callable(rule, ANSWER_RULES, "answer reward rule")
                 except LookupError as exc:
-                    raise JobError(str(exc), path=("nodes", node.name, "rules", rule),
+                    raise JobError(str(exc), path=path,
                                    fix="use a registered answer rule or a 'module:function' on PYTHONPATH") from None
+                if (mismatch := call_mismatch(fn, ANSWER_RULE_ARGS)) is not None:
+                    raise JobError(f"answer rule {rule!r} cannot be called as fn({', '.join(ANSWER_RULE_ARGS)}): "
+                                   f"{mismatch}", path=path,
+                                   fix=f"define it as def {getattr(fn, '__name__', 'rule')}"
+                                       f"({', '.join(ANSWER_RULE_ARGS)}) returning a number")
             if not any(n.op == "dataset" and n.spec.file is not None for n in graph.nodes()):
                 raise JobError("answer rules compare responses with a dataset's answers, but no dataset reads a file",
                                path=("nodes", node.name, "rules"), fix="give the dataset node a `file:`, or use `fn:`")
         if node.op == "dataset" and spec.task is not None:
-            try:
-                resolve_callable(spec.task, TASKS, "task")
-            except LookupError as exc:
-                raise JobError(str(exc), path=("nodes", node.name, "task"),
-                               fix="use a registered task or a 'module:function' on PYTHONPATH") from None
+            _check_task(node.name, spec)
+
+
+def _check_reward_fn(name: str, ref: str) -> None:
+    """`fn` resolves to a function the executor can call as fn(prompt_ids, prompt_mask, response_ids,
+    response_mask), as its `reward` does on every step."""
+    path = ("nodes", name, "fn")
+    try:
+        fn = resolve_callable(ref, REWARDS, "reward function")
+    except LookupError as exc:
+        raise JobError(str(exc), path=path, fix="use a registered rule or a 'module:function' on PYTHONPATH") from None
+    if (mismatch := call_mismatch(fn, REWARD_ARGS)) is not None:
+        raise JobError(f"reward function {ref!r} cannot be called as fn({', '.join(REWARD_ARGS)}): {mismatch}",
+                       path=path, fix=f"define it as def {getattr(fn, '__name__', 'reward')}({', '.join(REWARD_ARGS)}) "
+                                      "returning one reward per response")
+
+
+def _check_task(name: str, spec: DatasetNode) -> None:
+    """`task` resolves, takes the node's `options`, and (a registered task, cheap to build) is built with them
+    as a rank builds it, its prompts fitting `prompt_len`."""
+    try:
+        factory = resolve_callable(spec.task, TASKS, "task")
+    except LookupError as exc:
+        raise JobError(str(exc), path=("nodes", name, "task"),
+                       fix="use a registered task or a 'module:function' on PYTHONPATH") from None
+    options = ("nodes", name, "options")
+    takes, open_ended = _parameters(factory)
+    takes = [p for p in takes if not p.startswith("_")]
+    unknown = [key for key in spec.options if key not in takes] if not open_ended else []
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], takes, n=1)
+        raise JobError(f"task {spec.task!r} has no option {unknown[0]!r}", path=options + (unknown[0],),
+                       fix=(f"did you mean {close[0]!r}? " if close else "")
+                           + (f"its options: {', '.join(takes)}" if takes else "it takes no options: remove it"))
+    if (mismatch := call_mismatch(factory, kwargs=spec.options)) is not None:
+        raise JobError(f"task {spec.task!r} cannot be built with these options: {mismatch}", path=options,
+                       fix=f"its options: {', '.join(takes)}" if takes else "it takes no options: remove them")
+    # An error of a value is that option's when the node sets one only.
+    options = options + tuple(spec.options) if len(spec.options) == 1 else options
+    if TASKS.get(spec.task) is None:
+        return  # a user's factory may load data: a rank builds it
+    try:
+        task = factory(**spec.options)
+    except (TypeError, ValueError) as exc:
+        raise JobError(f"task {spec.task!r}: {exc}", path=options,
+                       fix=f"give its options ({', '.join(takes)}) values it accepts") from None
+    if isinstance(task, DigitTask) and spec.prompt_len < task.prompt_tokens:
+        raise JobError(f"prompt_len {spec.prompt_len} is shorter than the {task.prompt_tokens} tokens every prompt of "
+                       f"task {spec.task!r} has (BOS, {task.num_digits} digits, SEP)", path=("nodes", name, "prompt_len"),
+                       fix=f"set prompt_len to at least {task.prompt_tokens}")
+
+
+def _parameters(fn) -> tuple[list[str], bool]:  # noqa: ANN001
+    """The parameter names of `fn`, and whether it takes any keyword (**kwargs, or no signature to read)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return [], True
+    return ([p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)],
+            any(p.kind is p.VAR_KEYWORD for p in parameters))
+
+
+def _check_groups(graph: JobGraph) -> None:
+    """An estimator whose baseline is the other responses to the same prompt (grpo, rloo) needs two or more
+    of them: the executor's group statistics refuse a group of one, at the first step."""
+    for node in graph.nodes():
+        if node.op != "advantage" or not ESTIMATORS[node.spec.estimator].group_baseline:
+            continue
+        for edge in graph.in_edges(node.name):
+            source = graph.node(edge.src)
+            if edge.dst_port != "rollouts" or source.op != "generate" or source.spec.samples_per_prompt >= 2:
+                continue
+            others = ", ".join(n for n in ESTIMATORS.names() if not ESTIMATORS[n].group_baseline)
+            raise JobError(
+                f"estimator {node.spec.estimator!r} of node {node.name!r} takes each response's baseline from the "
+                f"other responses to its prompt, but {source.name!r} samples {source.spec.samples_per_prompt} "
+                "response per prompt", path=("nodes", source.name, "samples_per_prompt"),
+                fix=f"set samples_per_prompt to 2 or more (the group of responses to each prompt), or use an estimator "
+                    f"without a group baseline ({others})")
 
 
 def _check_kl(graph: JobGraph) -> tuple[str, ...]:
@@ -343,6 +426,7 @@ def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Targe
     _check_mini_batch(graph, sizes)
     _check_lengths(graph)
     _check_references(graph)
+    _check_groups(graph)
     _check_model_dtypes(graph, target)
     warnings = _check_algorithm(graph) + check_pins(graph, cluster, target)
     return graph.with_sizes(sizes).with_warnings(*warnings)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, TypeVar
 
-from graphrl.errors import DataError, GraphRLError
-from graphrl.schemas.job import DatasetNode, GenerateNode, JobSpec, PromptFields
+from graphrl.errors import DataError, GraphRLError, JobError, RunError
+from graphrl.schemas.job import DatasetNode, GenerateNode, JobSpec, NodeSpec, PromptFields
+from graphrl.schemas.model import ModelSpec
 from graphrl.tasks import EOS, PAD, TASKS, resolve_callable
 
 if TYPE_CHECKING:  # torch loads only where prompts are drawn, never on the compile path
@@ -114,6 +115,62 @@ def check_prompt_lengths(spec: DatasetNode, token_rows: list[list[int]]) -> None
                         f"{spec.prompt_len} tokens of each")
 
 
+_T = TypeVar("_T")
+
+
+def _at(path: tuple[str, ...], fn: Callable[..., _T], *args: Any) -> _T:
+    """`fn(*args)`, its error placed at the job's field `path` (where the user changes something)."""
+    try:
+        return fn(*args)
+    except GraphRLError as exc:
+        raise type(exc)(exc.message, path=path, fix=exc.fix) from None
+
+
+def check_file_prompts(name: str, spec: DatasetNode, rows: list[Example], nodes: Mapping[str, NodeSpec],
+                       models: Mapping[str, ModelSpec]) -> None:
+    """What a rank's `prompt_source` refuses of the file dataset `name`, refused when the job loads, each at
+    the field to change: the model that generates from it has a checkpoint holding a tokenizer that loads
+    and ends responses, the generator's stop strings are single tokens, the prompts render (the chat
+    template) and fit `prompt_len`."""
+    from graphrl.models import has_tokenizer
+    from graphrl.models.tokenizer import load_tokenizer, stop_token_ids
+
+    gen_name = next((n for n, node in nodes.items() if node.op == "generate"
+                     and any(ref.split(".")[0] == name for ref in node.inputs.values())), None)
+    if gen_name is None or nodes[gen_name].model not in models:
+        return  # typecheck names the missing generator or model
+    gen = nodes[gen_name]
+    model = gen.model
+    checkpoint = models[model].checkpoint
+    if checkpoint is None:
+        raise JobError(f"dataset file {spec.file} is tokenized by the tokenizer of model {model!r} (which generates "
+                       f"from it in node {gen_name!r}), but {model!r} has no checkpoint to read one from",
+                       path=("nodes", name, "file"),
+                       fix=f"set models.{model}.checkpoint to a Hugging Face folder or GGUF file with a tokenizer, or "
+                           "give the node a `task:` instead")
+    at_checkpoint = ("models", model, "checkpoint")
+    if not has_tokenizer(checkpoint):
+        raise JobError(f"checkpoint {checkpoint} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json), "
+                       f"and dataset node {name!r} reads a file, which needs one", path=at_checkpoint,
+                       fix="save the tokenizer beside the weights (tokenizer.save_pretrained(folder)), or "
+                           "`graphrl import` the model with its tokenizer")
+    tokenizer = _at(at_checkpoint, load_tokenizer, checkpoint)
+    _at(at_checkpoint, stop_token_ids, tokenizer)  # its end-of-text token
+    _at(("nodes", gen_name, "stop"), stop_token_ids, tokenizer, gen.stop)
+    at_template = ("nodes", name, "chat_template")
+    checked = rows if spec.long_prompts == "refuse" else rows[:1]  # truncated prompts fit: rendering one tells
+    try:
+        token_rows = prompt_token_rows(spec, tokenizer, checked)
+    except GraphRLError as exc:
+        raise type(exc)(exc.message, path=at_template, fix=exc.fix) from None
+    except Exception as exc:  # noqa: BLE001 - a template the tokenizer carries fails inside jinja
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise JobError(f"rendering a prompt of {spec.file} with the chat template of {checkpoint} failed "
+                       f"({type(exc).__name__}: {reason})", path=at_template,
+                       fix="set chat_template: false, or repair the template in the checkpoint's tokenizer_config.json") from None
+    _at(("nodes", name, "prompt_len"), check_prompt_lengths, spec, token_rows)
+
+
 def left_padded(token_rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
     """(ids [N, length], mask) left-padded; a longer row keeps its last `length` tokens (the end of a
     chat-templated prompt is the question and the turn the model answers)."""
@@ -158,17 +215,28 @@ class PromptSource(Protocol):
 class TaskPrompts:
     """A registered task (the digit tasks): prompts drawn from a generator seeded by (seed, step)."""
 
-    def __init__(self, spec: DatasetNode, seed: int) -> None:
+    def __init__(self, spec: DatasetNode, seed: int, node: str = "dataset") -> None:
         assert spec.task is not None
-        self.task = resolve_callable(spec.task, TASKS, "task")(**spec.options)
-        self.spec, self.seed = spec, seed
+        self.spec, self.seed, self.node = spec, seed, node
+        factory = resolve_callable(spec.task, TASKS, "task")
+        self.task = self._user_code("building it", lambda: factory(**spec.options))
         self.stop_ids, self.pad_id = [EOS], PAD
+
+    def _user_code(self, doing: str, call: Callable[[], _T]) -> _T:
+        """`call()`; an exception in the task's code (a user's `module:function`) names the node and the task."""
+        try:
+            return call()
+        except Exception as exc:
+            reason = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise RunError(f"dataset node {self.node!r}: task {self.spec.task!r} raised {type(exc).__name__} "
+                           f"{doing}: {reason}", fix=f"fix the task {self.spec.task}") from exc
 
     def prompts(self, step: int) -> tuple[Tensor, Tensor]:
         import torch
 
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return self.task.sample(gen, self.spec.batch_size, self.spec.prompt_len)
+        return self._user_code(f"drawing the prompts of step {step}",
+                               lambda: self.task.sample(gen, self.spec.batch_size, self.spec.prompt_len))
 
     def examples(self, step: int) -> list[Example] | None:
         return None
@@ -212,7 +280,7 @@ class FilePrompts:
 def prompt_source(job: JobSpec, spec: DatasetNode, gen: GenerateNode) -> PromptSource:
     """The dataset node's prompts; a file dataset reads the generating model's checkpoint tokenizer."""
     if spec.file is None:
-        return TaskPrompts(spec, job.run.seed)
+        return TaskPrompts(spec, job.run.seed, next((n for n, node in job.nodes.items() if node == spec), "dataset"))
     from graphrl.models.tokenizer import load_tokenizer
 
     checkpoint = job.models[gen.model].checkpoint

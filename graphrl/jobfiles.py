@@ -1,7 +1,9 @@
 """The files a job names (model checkpoints, dataset files): made absolute and checked when it loads.
 
 Paths in a job are relative to the job file, never to the working directory, so a job runs the same
-from anywhere; a missing checkpoint, dataset file or dataset column is a JobError naming the field.
+from anywhere; a missing checkpoint, dataset file or dataset column is a JobError naming the field, and so
+is what a rank would refuse of them when it starts (a config.json it cannot read, no tokenizer for a file
+dataset, a prompt longer than prompt_len).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def _absolute(path: Path, base_dir: Path) -> Path:
 
 def resolve_job_files(spec: JobSpec, base_dir: Path) -> JobSpec:
     """The job with checkpoint and dataset paths absolute; refuses files or columns that are missing."""
-    from graphrl.datasets import read_examples
+    from graphrl.datasets import check_file_prompts, read_examples
 
     models = {}
     for name, model in spec.models.items():
@@ -29,6 +31,7 @@ def resolve_job_files(spec: JobSpec, base_dir: Path) -> JobSpec:
         if not path.exists():
             raise JobError(f"checkpoint {path} does not exist", path=("models", name, "checkpoint"),
                            fix="point it at a Hugging Face model folder or a .gguf file (relative to the job file)")
+        _checked_checkpoint(name, path)
         models[name] = model.model_copy(update={"checkpoint": path})
     nodes = {}
     for name, node in spec.nodes.items():
@@ -45,7 +48,7 @@ def resolve_job_files(spec: JobSpec, base_dir: Path) -> JobSpec:
             field = "fields" if "no field" in exc.message else "file"
             raise JobError(exc.message, path=("nodes", name, field), fix=exc.fix) from None
         node = node.model_copy(update={"file": path})
-        _check_prompt_lengths(name, node, rows, _generating_checkpoint(spec, name, models))
+        check_file_prompts(name, node, rows, spec.nodes, models)
         nodes[name] = node
     return spec.model_copy(update={"models": models, "nodes": nodes})
 
@@ -70,23 +73,12 @@ def _measured_lengths(name: str, node, base_dir: Path):  # noqa: ANN001, ANN202
         update={"from_run": folder, "measured": measured})})
 
 
-def _generating_checkpoint(spec: JobSpec, dataset: str, models: dict) -> Path | None:  # noqa: ANN001
-    """The checkpoint of the model that generates from `dataset`'s prompts (its tokenizer renders them)."""
-    for node in spec.nodes.values():
-        if node.op == "generate" and any(ref.split(".")[0] == dataset for ref in node.inputs.values()):
-            return models[node.model].checkpoint
-    return None
+def _checked_checkpoint(name: str, path: Path) -> None:
+    """A checkpoint a rank can load (config.json or GGUF metadata, weights present), or its error at
+    `models.<name>.checkpoint`."""
+    from graphrl.models.checkpoints import check_checkpoint
 
-
-def _check_prompt_lengths(name: str, node, rows: list, checkpoint: Path | None) -> None:  # noqa: ANN001
-    """Tokenize every prompt as the run will and refuse one longer than prompt_len now, not at run time."""
-    from graphrl.datasets import check_prompt_lengths, prompt_token_rows
-    from graphrl.models import has_tokenizer
-    from graphrl.models.tokenizer import load_tokenizer
-
-    if checkpoint is None or node.long_prompts == "truncate" or not has_tokenizer(checkpoint):
-        return
     try:
-        check_prompt_lengths(node, prompt_token_rows(node, load_tokenizer(checkpoint), rows))
+        check_checkpoint(path)
     except GraphRLError as exc:
-        raise JobError(exc.message, path=("nodes", name, "prompt_len"), fix=exc.fix) from None
+        raise type(exc)(exc.message, path=("models", name, "checkpoint"), fix=exc.fix) from None

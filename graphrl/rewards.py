@@ -18,6 +18,8 @@ from graphrl.registry import Registry
 from graphrl.tasks import resolve_callable
 
 AnswerRule = Callable[[str, str], float]
+ANSWER_RULE_ARGS = ("response", "answer")
+"""The positional arguments an answer rule is called with, in order (`combined_reward`)."""
 ANSWER_RULES: Registry[AnswerRule] = Registry("answer reward rule")
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")

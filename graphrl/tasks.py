@@ -9,8 +9,9 @@ positions right. Token ids: digits are 0..9, then the special tokens below (voca
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from graphrl.registry import Registry
 
@@ -30,6 +31,8 @@ class Task(Protocol):
 
 RewardFn = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 """(prompt_ids[N,P], prompt_mask[N,P], response_ids[N,R], response_mask[N,R]) -> rewards[N] in [0, 1]."""
+REWARD_ARGS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+"""The positional arguments a reward function is called with, in order (the executor's `reward`)."""
 
 TASKS: Registry[Callable[..., Task]] = Registry("task")
 REWARDS: Registry[RewardFn] = Registry("reward function")
@@ -52,10 +55,19 @@ class DigitTask:
     transform: str
     num_digits: int = 4
 
+    def __post_init__(self) -> None:
+        if self.num_digits < 1:
+            raise ValueError(f"num_digits must be at least 1 (got {self.num_digits})")
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of every prompt: BOS, the digits, SEP; `prompt_len` must hold them."""
+        return self.num_digits + 2
+
     def sample(self, gen: torch.Generator, batch_size: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
-        need = self.num_digits + 2
+        need = self.prompt_tokens
         if prompt_len < need:
             raise ValueError(f"prompt_len {prompt_len} is shorter than the {need} tokens a prompt needs")
         digits = torch.randint(0, 10, (batch_size, self.num_digits), generator=gen)
@@ -120,6 +132,21 @@ def resolve_callable(ref: str, registry: Registry, what: str) -> Callable:
     if not callable(fn):
         raise LookupError(f"module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+def call_mismatch(fn: Callable, args: Sequence[str] = (), kwargs: Mapping[str, Any] | None = None) -> str | None:
+    """Why `fn` cannot be called with the positional arguments named `args` and the keyword arguments
+    `kwargs` (as `its signature is (x): too many positional arguments`), or None when it can, or when
+    Python cannot tell (a builtin without a signature)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **(kwargs or {}))
+    except TypeError as exc:
+        return f"its signature is {signature}: {exc}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ class EstimatorKind:
     normalizations: tuple[Normalization, ...] = ("none",)
     # Builds per-token rewards, so a KL penalty can shape them (`algorithm.kl_in: reward`).
     token_rewards: bool = False
+    # Its baseline is the other responses to the same prompt: it needs samples_per_prompt >= 2.
+    group_baseline: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,9 @@ ESTIMATORS: Registry[EstimatorKind] = Registry("advantage estimator")
 LOSSES: Registry[LossKind] = Registry("loss")
 
 for _kind in (
-    EstimatorKind("grpo", False, "group-relative: (r - mean_group) / std_group", ("group", "batch", "none")),
-    EstimatorKind("rloo", False, "leave-one-out baseline within the group", ("none",)),
+    EstimatorKind("grpo", False, "group-relative: (r - mean_group) / std_group", ("group", "batch", "none"),
+                  group_baseline=True),
+    EstimatorKind("rloo", False, "leave-one-out baseline within the group", ("none",), group_baseline=True),
     EstimatorKind("reinforce_pp", False, "REINFORCE++: discounted returns, normalised over the batch",
                   ("batch", "none"), token_rewards=True),
     EstimatorKind("gae", True, "generalised advantage estimation with the critic's values", ("none", "batch"),

@@ -59,7 +59,36 @@ def checkpoint_dims(path: str | Path) -> ModelDims:
     if not config_path.is_file():
         raise GraphRLError(f"checkpoint {path} has no config.json",
                            fix="point `checkpoint` at a Hugging Face model folder or a .gguf file")
-    return dims_from_hf_config(read_config(config_path))
+    try:
+        return dims_from_hf_config(read_config(config_path))
+    except (KeyError, TypeError, ValueError) as exc:  # a dimension that is no number, or dims that cannot be
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise DataError(f"{config_path} does not describe a model graphrl can build ({type(exc).__name__}: {reason})",
+                        fix="restore config.json from the model's source (a Llama config names every dimension)") from None
+
+
+def check_checkpoint(path: str | Path) -> ModelDims:
+    """What a rank loading `path` would refuse, found without reading its weights: its config.json (or GGUF
+    metadata) read into dimensions, and a folder's safetensors files present (every shard its index names)."""
+    path = Path(path)
+    dims = checkpoint_dims(path)
+    if is_gguf(path):
+        return dims
+    index_path = path / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise DataError(f"{index_path} is not a safetensors index ({type(exc).__name__}: {exc})",
+                            fix="restore it from the model's source (or run `graphrl import` again)") from None
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise DataError(f"checkpoint {path} lacks the weight shards {', '.join(missing[:3])} its index names",
+                            fix="download the missing shards (or the whole model again)")
+    elif not any(path.glob("*.safetensors")):
+        raise DataError(f"checkpoint {path} has no *.safetensors weights",
+                        fix="download the weights beside config.json, or convert the model with `graphrl import`")
+    return dims
 
 
 REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")

@@ -24,16 +24,21 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise GraphRLError(f"a tokenizer needs transformers ({exc})", fix="pip install 'graphrl[real]'") from None
+    from graphrl.models import has_tokenizer
     from graphrl.models.checkpoints import read_config, unreadable_gguf
 
+    if path.is_dir() and not has_tokenizer(path):
+        raise GraphRLError(f"checkpoint {path} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
+                           fix="save the tokenizer beside the weights, or `graphrl import` the model with its tokenizer")
     if path.is_dir() and (path / "config.json").is_file():  # transformers reads it too: refuse it by name first
         read_config(path / "config.json")
     try:
         if path.suffix.lower() == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as exc:
-        raise GraphRLError(f"checkpoint {path} has no tokenizer that transformers can read ({exc})",
+    except (OSError, ValueError, KeyError) as exc:  # its message may run over lines: the first says what failed
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise GraphRLError(f"checkpoint {path} has no tokenizer that transformers can read ({reason})",
                            fix="save the tokenizer beside the weights (tokenizer.json), or run `graphrl import`") from None
     except Exception as exc:  # noqa: BLE001 - a damaged GGUF file fails anywhere inside its reader
         if path.suffix.lower() == ".gguf":

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 
+REPO = Path(__file__).resolve().parents[2]
+
 transformers = pytest.importorskip("transformers")
 
 WORDS = ["<pad>", "<|im_end|>", "<|im_start|>", "user", "assistant", "system"] + [str(d) for d in range(10)]
@@ -64,8 +66,8 @@ def _rows(path: Path, rows: list[dict]) -> None:
 GOOD_ROWS = [{"q": f"{a} {b}", "a": str(a + b)} for a in range(3) for b in range(3)]
 
 
-def _refused(job: Path, *says: str) -> str:
-    result = CliRunner().invoke(main, ["validate", str(job)])
+def _refused(job: Path, *says: str, sets: tuple[str, ...] = ()) -> str:
+    result = CliRunner().invoke(main, ["validate", str(job), *(f"--set={s}" for s in sets)])
     assert result.exit_code == 2, f"exit {result.exit_code}:\n{result.output}"
     assert "Traceback" not in result.output and "internal error" not in result.output, result.output
     assert result.stderr.startswith("error: ") and len(result.stderr.rstrip("\n").split("\n")) <= 2, result.stderr
@@ -132,7 +134,107 @@ def test_a_bad_config_json_is_named_at_validate(tmp_path, model_folder, config: 
     shutil.copytree(model_folder, folder)
     (folder / "config.json").write_text(config)
     _rows(tmp_path / "train.jsonl", GOOD_ROWS)
-    _refused(_job(tmp_path, folder), "config.json", says)
+    err = _refused(_job(tmp_path, folder), "config.json", says)
+    # At the model's checkpoint line, where the user acts: it was placed at nodes.prompts.prompt_len, since
+    # the tokenizer that read it was loaded to measure the prompts.
+    assert "job.yaml:4:" in err and ": models.policy.checkpoint: " in err and "prompt_len" not in err, err
+
+
+def _copy(model_folder: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(model_folder, tmp_path / "model"))
+
+
+def test_a_bad_config_json_is_named_at_the_checkpoint_with_a_task_dataset(tmp_path, model_folder) -> None:
+    """With a task dataset no tokenizer reads config.json at validate: a broken one was refused with no place
+    at all (only the file), and an architecture the model cannot hold (biases) the same way."""
+    folder = _copy(model_folder, tmp_path)
+    job = tmp_path / "task.yaml"
+    job.write_text((REPO / "examples" / "grpo_tiny.yaml").read_text().replace(
+        "preset: tiny-digits-tied", f"checkpoint: {folder}"))
+    (folder / "config.json").write_text("{not json")
+    err = _refused(job, "is not valid JSON", "restore config.json")
+    assert err.startswith(f"error: {job}:10:") and ": models.policy.checkpoint: " in err, err
+    config = json.loads((model_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    _refused(job, ": models.policy.checkpoint: ", "attention_bias=true", "use a bias-free checkpoint")
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
+    _refused(job, ": models.policy.checkpoint: ", "does not describe a model graphrl can build (ValueError")
+
+
+def test_a_checkpoint_without_weights_is_refused_at_validate(tmp_path, model_folder) -> None:
+    """A folder of config.json and tokenizer only (a download of the small files) passed validate; a rank
+    refused it loading the weights."""
+    folder = _copy(model_folder, tmp_path)
+    (folder / "model.safetensors").unlink()
+    _rows(tmp_path / "train.jsonl", GOOD_ROWS)
+    _refused(_job(tmp_path, folder), ": models.policy.checkpoint: ", "has no *.safetensors weights", "fix: download")
+
+
+def test_a_file_dataset_on_a_preset_model_is_refused_at_validate(tmp_path) -> None:
+    """A file dataset whose generating model is a preset (no checkpoint, so no tokenizer) passed validate; the
+    rank refused it when it started."""
+    _rows(tmp_path / "train.jsonl", GOOD_ROWS)
+    job = _job(tmp_path, "unused")
+    job.write_text(job.read_text().replace("checkpoint: unused", "preset: tiny-digits-tied"))
+    err = _refused(job, ": nodes.prompts.file: ", "model 'policy' (which generates from it in node 'rollout')",
+                   "fix: set models.policy.checkpoint to a Hugging Face folder or GGUF file with a tokenizer")
+    assert "job.yaml:6:" in err, err
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_at_validate(tmp_path, model_folder) -> None:
+    """A file dataset on a checkpoint of weights only passed validate (the prompt check skipped it), and the
+    rank's error was cut after transformers' first line ("...from one of: ")."""
+    from graphrl.errors import GraphRLError
+    from graphrl.models.tokenizer import load_tokenizer
+
+    folder = _copy(model_folder, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    _rows(tmp_path / "train.jsonl", GOOD_ROWS)
+    err = _refused(_job(tmp_path, folder), ": models.policy.checkpoint: ", "holds no tokenizer", "fix: save the tokenizer")
+    assert "job.yaml:4:" in err, err
+    with pytest.raises(GraphRLError) as raised:  # the rank's own check, kept: whole, on one line
+        load_tokenizer(folder)
+    assert "holds no tokenizer" in raised.value.message and "\n" not in raised.value.message
+    (folder / "tokenizer.json").write_text("{not json")
+    _refused(_job(tmp_path, folder), ": models.policy.checkpoint: ", "has no tokenizer that transformers can read")
+
+
+def test_a_tokenizer_without_chat_template_is_refused_at_its_field(tmp_path, model_folder) -> None:
+    """A base model's tokenizer has no chat template: the rank refused it rendering the prompts; validate
+    must, at nodes.prompts.chat_template, and `--set` must be able to turn the template off (the job's files
+    were checked before the overrides applied, so no --set could fix them)."""
+    folder = _copy(model_folder, tmp_path)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    _rows(tmp_path / "train.jsonl", GOOD_ROWS)
+    job = _job(tmp_path, folder)
+    _refused(job, ": nodes.prompts.chat_template: ", "has no chat template", "chat_template: false")
+    ok = CliRunner().invoke(main, ["validate", str(job), "--set", "nodes.prompts.chat_template=false"])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_a_stop_string_of_several_tokens_is_refused_at_validate(tmp_path, model_folder) -> None:
+    """A stop string the tokenizer splits into two tokens was refused by the rank when it started."""
+    _rows(tmp_path / "train.jsonl", GOOD_ROWS)
+    _refused(_job(tmp_path, model_folder), "--set nodes.rollout.stop=", ": nodes.rollout.stop: ",
+             "stop string '1 2' is 2 tokens", "single tokens", sets=("nodes.rollout.stop=['1 2']",))
+
+
+def test_an_answer_rule_with_the_wrong_signature_is_refused_at_validate(tmp_path, model_folder) -> None:
+    """An answer rule `module:function` that cannot take (response, answer) raised TypeError on the rank."""
+    _rows(tmp_path / "train.jsonl", GOOD_ROWS)
+    job = _job(tmp_path, model_folder)
+    job.write_text(job.read_text().replace("numeric_answer: 1.0", "'os.path:join': 1.0, 'operator:add': 1.0"))
+    assert CliRunner().invoke(main, ["validate", str(job)]).exit_code == 0  # join(*paths), add(a, b) fit
+    job.write_text(job.read_text().replace("'operator:add'", "'os.path:basename'"))
+    err = _refused(job, ": nodes.score.rules.os.path:basename: ", "cannot be called as fn(response, answer)",
+                   "fix: define it as def basename(response, answer)")
+    assert "job.yaml:8:" in err, err
 
 
 def test_a_truncated_gguf_file_is_named_at_validate(tmp_path) -> None:

@@ -125,6 +125,15 @@ EXPECTED: dict[str, Expect] = {
     "reward_neither_fn_nor_model.yaml": Expect("nodes.score", 25, "exactly one of 'fn'"),
     "model_no_preset_no_dims.yaml": Expect("models.policy", 7, "exactly one of 'preset' or 'dims'"),
     "model_dims_heads_mismatch.yaml": Expect("models.policy.dims", 8, "not divisible by num_heads"),
+    # -- what a rank refused when it started (or at its first step), refused by validate -------------
+    "grpo_group_of_one.yaml": Expect("nodes.rollout.samples_per_prompt", 21, "set samples_per_prompt to 2 or more"),
+    "rloo_group_of_one.yaml": Expect("nodes.rollout.samples_per_prompt", 21, "estimator 'rloo' of node 'adv'"),
+    "task_prompt_len_too_short.yaml": Expect("nodes.prompts.prompt_len", 16, "set prompt_len to at least 6"),
+    "task_unknown_option.yaml": Expect("nodes.prompts.options.num_digit", 17, "did you mean 'num_digits'?"),
+    "task_option_out_of_range.yaml": Expect("nodes.prompts.options.num_digits", 17, "num_digits must be at least 1"),
+    "reward_fn_wrong_signature.yaml": Expect(
+        "nodes.score.fn", 27, "cannot be called as fn(prompt_ids, prompt_mask, response_ids, response_mask): its "
+        "signature is (p): too many positional arguments\n  fix: define it as def basename(prompt_ids, "),
     # -- placement and clusters ---------------------------------------------------------------------
     # -- pins the model or the hardware cannot hold (refused by validate, before any search or run) ---
     "pin_tp_exceeds_devices.yaml": Expect("placement.roles.policy/generate.tp", 52, "tp 4 needs 4 devices; the mesh of 'policy/generate' has 1 or 2 devices"),

@@ -75,12 +75,11 @@ def test_job_with_missing_dataset_field_exits_2(tmp_path) -> None:
     from click.testing import CliRunner
 
     _jsonl(tmp_path / "train.jsonl", ROWS)
-    (tmp_path / "model").mkdir()
     job = tmp_path / "job.yaml"
     job.write_text(f"""name: files
 cluster: local-cpu-1
 models:
-  policy: {{preset: tiny-digits, dtype: float32, checkpoint: model}}
+  policy: {{preset: tiny-digits, dtype: float32}}
 nodes:
   prompts: {{op: dataset, file: train.jsonl, fields: {{prompt: question, answer: answer}}, batch_size: 2, prompt_len: 8}}
   rollout: {{op: generate, model: policy, max_new_tokens: 4, inputs: {{prompts: prompts.prompts}}}}
