@@ -435,7 +435,14 @@ class RankExecutor:
                                      f"prompt {prompt!r}") from exc
         elif spec.fn is not None:
             fn = resolve_callable(spec.fn, REWARDS, "reward function")
-            result = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            try:  # the user's code: its exception names the node, the function and the step
+                result = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+            except Exception as exc:
+                reason = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise RunError(f"step {ins.step}: reward node {ins.node!r}: function {spec.fn!r} raised "
+                               f"{type(exc).__name__}: {reason}",
+                               fix=f"fix the reward function {spec.fn} (it was scoring rollouts "
+                                   f"[{ins.start}:{ins.stop}) of step {ins.step})") from exc
             try:
                 rewards = reward_tensor(result, ins.stop - ins.start, f"reward node {ins.node!r}: function {spec.fn!r}")
             except RunError as exc:
