@@ -36,7 +36,8 @@ from graphrl.schemas.job import JobSpec
 
 from graphrl.executors.guards import check_weights
 from graphrl.executors.models.llama import Llama
-from graphrl.executors.outputs import checkpoint_folders, finish_checkpoint, versions_ahead_file
+from graphrl.executors.outputs import (checkpoint_files, checkpoint_folders, file_sums, finish_checkpoint,
+                                       versions_ahead_file)
 from graphrl.executors.parallel import full_state_dict
 from graphrl.executors.roles import RoleState, role_group
 from graphrl.executors.rollouts import Piece
@@ -163,12 +164,28 @@ def write_checkpoint(out_dir: Path, step: int, roles: dict[str, RoleState], rt: 
         save_role_state(partial, name, r.module, r.optimizer, role_group(r, rt))
     save_inflight(partial, rt.rank, inflight)
     _barrier(group)
+    sums = _shared_sums(partial, group, reporter)
     if reporter:
         _export_trained(partial, roles, weights, job)  # inside the manifest, before `latest` names it
         ahead = _write_versions_ahead(partial, versions_ahead)
         finish_checkpoint(partial, final, step, roles, weights, job.run.seed, sorted(inflight), layout,
-                          extra={"versions_ahead": ahead})
+                          extra={"versions_ahead": ahead}, sums=sums)
     _barrier(group)
+
+
+def _shared_sums(partial: Path, group: Any, reporter: bool) -> dict[str, str]:
+    """The checksums of the files every rank has written, each rank reading its share of them (a
+    collective over `group`), gathered on the reporter for the manifest: no one rank reads a large
+    checkpoint whole. A file one rank does not see (a shared file system's late listing) is left to the
+    reporter."""
+    if group is None:
+        return {}
+    names = checkpoint_files(partial)
+    members = dist.get_world_size(group)
+    mine = file_sums(partial, names[dist.get_rank(group)::members])
+    gathered: list[Any] = [None] * members
+    dist.all_gather_object(gathered, mine, group=group)
+    return {name: digest for share in gathered for name, digest in share.items()} if reporter else {}
 
 
 def _barrier(group: Any) -> None:

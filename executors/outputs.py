@@ -8,12 +8,13 @@ checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from safetensors.torch import load_file, save_file
 
@@ -114,12 +115,30 @@ def versions_ahead_file(role: str, version: int) -> str:
     return f"versions_ahead/{role.replace('/', '__')}.v{version:06d}.safetensors"
 
 
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """Every file of a checkpoint folder, relative to it, in a fixed order (the manifest's)."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def file_sums(folder: Path, names: Iterable[str]) -> dict[str, str]:
+    """The sha256 of each named file of `folder` that exists (a rank's share of a checkpoint's files)."""
+    return {name: file_sha256(folder / name) for name in names if (folder / name).is_file()}
+
+
 def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, Any],
                       weights: dict[str, dict[str, Any]], seed: int, inflight_steps: list[int],
-                      layout: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
+                      layout: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                      sums: dict[str, str] | None = None) -> Path:
     """Add the full weights, `meta.json` and the manifest to a partial checkpoint (every rank has written
     its files), move it into place atomically, and only then point `latest` at it. `layout`
-    (`checkpoint_layout`) is what a resume compares against its own plan; `extra` goes into meta.json."""
+    (`checkpoint_layout`) is what a resume compares against its own plan; `extra` goes into meta.json.
+    The manifest holds every file's size and sha256; `sums` are those the ranks already took of their share
+    of the files (the rest are read here)."""
     try:
         meta: dict[str, Any] = {"step": step, "next_step": step + 1, "seed": seed, "roles": {},
                                 "inflight_steps": inflight_steps, "layout": layout, **(extra or {})}
@@ -129,9 +148,13 @@ def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, An
             save_file(tensors, str(partial / f"{safe}.safetensors"))
             meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors"}
         (partial / "meta.json").write_text(json.dumps(meta))
-        # Every file with its size: a resume checks them, so a shard lost or cut short afterwards (a full
-        # disk, a copy interrupted) is found by name before any rank starts.
-        files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
+        # Every file with its size and checksum: a resume checks them, so a shard lost, cut short or
+        # changed afterwards (a full disk, a copy interrupted, a bad block) is found by name before any rank
+        # starts, and the checkpoint before it is used instead.
+        names = checkpoint_files(partial)
+        known = sums or {}
+        files = {name: {"bytes": (partial / name).stat().st_size,
+                        "sha256": known.get(name) or file_sha256(partial / name)} for name in names}
         (partial / MANIFEST).write_text(json.dumps({"files": files}, indent=0))
         if final.exists():
             shutil.rmtree(final)
@@ -145,29 +168,38 @@ def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, An
     return final
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's `meta.json` (its step, the next step, its roles' weight versions ...)."""
+    return json.loads((path / "meta.json").read_text())
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint folder `path` cannot be resumed from (naming the file), or None if it is intact:
-    every file of its manifest present with its size, its metadata, DCP metadata and rollout files readable."""
+    its manifest present, every file of it present with its size and checksum, its metadata, DCP metadata and rollout files readable."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         return f"{meta_path} is missing"
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = read_meta(path)
         int(meta["next_step"]), dict(meta["roles"])
     except (ValueError, KeyError, TypeError) as exc:
         return f"{meta_path} is not a checkpoint's metadata ({type(exc).__name__}: {exc})"
     manifest = path / MANIFEST
-    if manifest.is_file():
-        try:
-            files = dict(json.loads(manifest.read_text())["files"])
-        except (ValueError, KeyError, TypeError):
-            return f"{manifest} is damaged"
-        for name, size in files.items():
-            file = path / name
-            if not file.is_file():
-                return f"{file} is missing"
-            if file.stat().st_size != size:
-                return f"{file} has {file.stat().st_size} bytes, {size} were written (cut short or changed)"
+    if not manifest.is_file():
+        return f"{manifest} is missing (every checkpoint is written with one)"
+    try:  # an earlier graphrl wrote sizes only: those are still checked
+        files = {name: (entry, None) if isinstance(entry, int) else (int(entry["bytes"]), str(entry["sha256"]))
+                 for name, entry in json.loads(manifest.read_text())["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{manifest} is damaged"
+    for name, (size, sha256) in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, {size} were written (cut short or changed)"
+        if sha256 is not None and file_sha256(file) != sha256:
+            return f"{file} does not match its checksum (its contents changed since it was written)"
     for name in meta["roles"]:
         folder = path / "dcp" / name.replace("/", "__")
         try:
@@ -209,7 +241,7 @@ def latest_checkpoint(out_dir: Path, say: Callable[[str], None] | None = None) -
 def load_checkpoint(path: Path, *, weights: bool = True) -> dict[str, Any]:
     """A checkpoint's metadata, with each role's full weights unless `weights` is False (a resuming
     rank reads its own shards through `checkpointing.load_role_state` instead)."""
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     roles = {}
     for name, info in meta["roles"].items():
         roles[name] = {"version": info["version"],
