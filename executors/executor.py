@@ -43,6 +43,7 @@ from graphrl.schemas.program import (
     TRAITS,
     Value,
     WeightSync,
+    checkpoint_due,
     describe,
 )
 from graphrl.datasets import prompt_source
@@ -62,6 +63,7 @@ from graphrl.executors.roles import DTYPES, RoleState, build_roles, role_group
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
 from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecorder, now
 from graphrl.executors.runtime import Runtime
+from graphrl.executors.stopping import RunStopped, StopRequests
 from graphrl.executors.tensor_parallel import TensorParallelLlama
 from graphrl.executors.weightsync import run_weight_sync
 
@@ -93,7 +95,8 @@ class RankExecutor:
     torch.distributed job."""
 
     def __init__(self, plan: Plan, runtime: Runtime, out_dir: Path, *, start_step: int = 0,
-                 resume_state: dict[str, Any] | None = None, profile: ProfileSettings | None = None) -> None:
+                 resume_state: dict[str, Any] | None = None, profile: ProfileSettings | None = None,
+                 stop: StopRequests | None = None) -> None:
         if plan.programs is None:
             raise RunError("the plan has no programs", fix="compile it with `graphrl compile JOB -o plan.msgpack`")
         self.plan = plan
@@ -144,6 +147,8 @@ class RankExecutor:
         self.dispatch: dict[type, Callable[[Any], None]] = {
             kind: handler.__get__(self) for kind, handler in HANDLERS.items()}
         self.index = 0
+        # Stop requests (Ctrl-C, SIGTERM) end the run at a step boundary the trainer ranks agree on.
+        self.stop = stop if stop is not None else StopRequests()
         self.spans = SpanRecorder(self.rank)
         self.profiler = RankProfiler(self.rank, profile, runtime.device)
 
@@ -197,13 +202,23 @@ class RankExecutor:
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
+        """Every instruction of this rank's program; raises `RunStopped` after the checkpoint of the step at
+        which the trainer ranks agreed to stop on a request."""
+        # Every step's Checkpoint, due or not: each is where the trainer ranks agree on a stop request.
+        stream = self.programs.ranks[self.rank].instructions(self.programs.steps, every=1)
+        self.stop.start_running()
         with self.profiler:
             try:
-                for self.index, ins in enumerate(self.programs.rank_stream(self.rank)):
+                for self.index, ins in enumerate(stream):
                     self._release_old_steps(getattr(ins, "step", None))
                     if self.start_step and self._done_before_checkpoint(ins):
                         self._restore_saved_version(ins)
                         continue
+                    stop = 0
+                    if isinstance(ins, Checkpoint):
+                        stop = self.stop.agree(self.rt.group(ins.group), self.rt.comm_device)
+                        if not stop and not checkpoint_due(ins.step, self.programs.steps, self.programs.checkpoint_every):
+                            continue
                     with self.profiler.at(ins):
                         start = now()
                         self.dispatch[type(ins)](ins)
@@ -213,6 +228,8 @@ class RankExecutor:
                         kept = full_state_dict(self.roles[ins.role].module, keep=self.is_reporter, to_host=True)
                         # a copy: on a host device the gathered tensors are the live parameters themselves
                         self.kept_versions[ins.version] = {k: v.detach().clone() for k, v in kept.items()}
+                    if stop and ins.step < self.programs.steps - 1:  # type: ignore[union-attr]
+                        raise RunStopped(stop, ins.step)  # type: ignore[union-attr]
             finally:
                 self.spans.write(self.out_dir / "timeline")
                 self.metrics.close()
@@ -658,8 +675,10 @@ HANDLERS: dict[type, Callable[..., None]] = {
 
 
 def run_rank(plan: Plan, runtime: Runtime, out_dir: Path, start_step: int = 0,
-             resume_state: dict[str, Any] | None = None, profile: ProfileSettings | None = None) -> None:
-    RankExecutor(plan, runtime, out_dir, start_step=start_step, resume_state=resume_state, profile=profile).run()
+             resume_state: dict[str, Any] | None = None, profile: ProfileSettings | None = None,
+             stop: StopRequests | None = None) -> None:
+    RankExecutor(plan, runtime, out_dir, start_step=start_step, resume_state=resume_state, profile=profile,
+                 stop=stop).run()
 
 
 __all__ = ["RankExecutor", "join_rollouts", "run_rank"]

@@ -11,9 +11,12 @@ no traceback; `--debug` shows the traceback. Commands:
 
 from __future__ import annotations
 
+import functools
 import json
 import runpy
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -23,34 +26,61 @@ import click
 from pydantic import ValidationError
 
 from graphrl import __version__
-from graphrl.errors import GraphRLError, GraphRLWarning, InternalError, JobError, Location, RunError, format_path
+from graphrl.errors import (GraphRLError, GraphRLWarning, InternalError, Interrupted, JobError, Location, RunError,
+                            format_path)
 from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob, Override, SourceMap, apply_overrides, job_cluster, load_job, parse_override
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import JobSpec
+from graphrl.writes import job_inputs, refuse_overwriting_inputs, write_atomically
 
 EXIT_USER_ERROR = 2
 
 
+class Terminated(BaseException):
+    """SIGTERM while a command works (a run's launcher takes it itself while its ranks run): raised like
+    Ctrl-C's KeyboardInterrupt, so that what the command holds is released on the way out."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:  # noqa: ARG001
+    raise Terminated
+
+
 class GraphRLGroup(click.Group):
-    """A click group that turns our errors into two-line messages with exit code 2."""
+    """A click group that turns our errors into two-line messages with exit code 2 (an interrupted command:
+    128 + the signal's number), and Ctrl-C or SIGTERM into one line without a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         debug = bool(ctx.params.get("debug")) or "--debug" in sys.argv
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+        if main_thread:
+            signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             with warnings.catch_warnings():
                 show_graphrl_warnings()
                 return super().invoke(ctx)
+        except (KeyboardInterrupt, Terminated) as exc:
+            if main_thread:  # a second Ctrl-C while this is said changes nothing
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+            what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+            click.echo(f"stopped: {what} ended `graphrl {ctx.invoked_subcommand or ''}` before it finished"
+                       "; it left nothing half-written", err=True)
+            ctx.exit(128 + signum)
         except GraphRLError as exc:
             if debug:
                 traceback.print_exc()
             click.echo(f"{exc.kind}: {exc.render()}", err=True)
-            ctx.exit(EXIT_USER_ERROR)
+            ctx.exit(getattr(exc, "exit_code", EXIT_USER_ERROR))
         except InternalError as exc:
             if debug:
                 traceback.print_exc()
             click.echo(f"internal error (a bug in graphrl; please report it): {exc}", err=True)
             ctx.exit(1)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def show_graphrl_warnings() -> None:
@@ -273,7 +303,10 @@ def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, f
     from graphrl.compiler.preview import render_html, render_text
     from graphrl.plan_io import save_plan
 
-    plan = _compile(job, cluster, sets, exhaustive=exhaustive, steps=steps)
+    loaded = _override(load_with_sets(job, sets), steps=steps)
+    if output is not None:  # before compiling: a refusal costs nothing
+        refuse_overwriting_inputs(output, _inputs(loaded, cluster), "-o")
+    plan = compile_loaded(loaded, cluster, exhaustive=exhaustive)
     if output is not None and fmt == "text":
         save_plan(plan, output)
         click.echo(f"wrote {output} ({plan.chosen.label}, {plan.chosen.estimate.step_time_s:.4g} s/step predicted)",
@@ -287,7 +320,7 @@ def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, f
     else:
         out = render_text(plan, explain=explain)
     if output is not None and fmt != "text":
-        output.write_text(out)
+        write_atomically(output, out)
         click.echo(f"wrote {output}", err=True)
     else:
         click.echo(out)
@@ -310,6 +343,7 @@ def calibrate(output: Path | None, no_p2p: bool, max_ranks: int, jobs: tuple[str
     target = output or calibration_path()
     if target is None:
         raise click.UsageError("GRAPHRL_CALIBRATION=none disables calibration files; pass -o FILE")
+    refuse_overwriting_inputs(target, [Path(job) for job in jobs], "-o")
     spec = run_calibration(report=lambda s: click.echo(s, err=True), with_p2p=not no_p2p, max_ranks=max_ranks,
                            jobs=jobs)
     write_calibration(spec, target)
@@ -416,12 +450,23 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
     if _is_plan_file(target):
         if sets:
             click.echo("warning: --set changes a job; it is ignored for a compiled plan file", err=True)
+        if trace is not None:
+            refuse_overwriting_inputs(trace, [Path(target)], "--trace")
         plan, graph = _load_plan_or_compile(target, cluster, steps=steps), None
     else:
-        graph, plan = compile_loaded_graph(_override(load_with_sets(target, sets), steps=steps), cluster)
+        loaded = _override(load_with_sets(target, sets), steps=steps)
+        if trace is not None:
+            refuse_overwriting_inputs(trace, _inputs(loaded, cluster), "--trace")
+        graph, plan = compile_loaded_graph(loaded, cluster)
     with progress(f"simulating {plan.job.name} on {plan.programs.num_ranks if plan.programs else 0} ranks") as stage:
         report = simulate_report(plan, compiled=graph, trace_path=trace, gantt=gantt and fmt == "text", progress=stage)
     click.echo(json.dumps(report.data, indent=2) if fmt == "json" else report.text)
+
+
+def _inputs(loaded: LoadedJob, cluster: str | None) -> list[Path]:
+    """What a command on `loaded` reads: the job's files and a --cluster file."""
+    extra = [Path(cluster)] if cluster is not None and Path(cluster).is_file() else []
+    return [*job_inputs(loaded), *extra]
 
 
 def _override(loaded: LoadedJob, *, steps: int | None = None, seed: int | None = None, schedule: str | None = None,
@@ -473,79 +518,71 @@ def refuse_unrunnable(plan, loaded: LoadedJob) -> None:  # noqa: ANN001
 def run(job: str, cluster: str | None, steps: int | None, seed: int | None, schedule: str | None,
         strategy: str | None, out: Path | None, resume: bool, overwrite: bool, profile: Path | None,
         profile_memory: bool, quiet: bool, sets: tuple[str, ...]) -> None:
-    """Compile JOB and run it: one process per rank on this machine."""
+    """Compile JOB and run it: one process per rank on this machine. The first Ctrl-C (or SIGTERM) stops
+    every rank after the step it is in and checkpoints that step; a second ends them at once."""
     from graphrl.executors.launcher import launch_local
-    from graphrl.executors.outputs import checkpoint_layout, latest_checkpoint
-    from graphrl.executors.runfolder import (check_run_folder, prepare_run_folder, record_run, remove_records,
-                                            rewind_records)
+    from graphrl.executors.outputs import checkpoint_layout, read_meta
+    from graphrl.executors.runfolder import claim_run_folder, record_outcome
 
     loaded = _override(load_with_sets(job, sets), steps=steps, seed=seed, schedule=schedule, strategy=strategy)
     out_dir = out or Path(loaded.spec.run.out_dir or f"runs/{loaded.spec.name}")
-    check_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # before minutes of compiling
-    plan = compile_loaded(loaded, cluster, target="run")
-    refuse_unrunnable(plan, loaded)
-    prepare_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite)  # nothing written before here
-    total = plan.programs.steps if plan.programs else 0
-    start_step, resume_from = 0, None
-    if resume:
-        ckpt = latest_checkpoint(out_dir, say=lambda line: click.echo(f"warning: {line}", err=True))
-        if ckpt is None:
-            raise RunError(f"no intact checkpoint to resume from in {out_dir}",
-                           fix="run without --resume (with --overwrite to replace what is there)")
-        meta = json.loads((ckpt / "meta.json").read_text())
-        start_step, resume_from = int(meta["next_step"]), ckpt
-        if start_step >= total:
-            click.echo(f"nothing to resume: {ckpt} is after step {start_step - 1} and the job runs {total} steps; "
-                       f"pass a larger --steps to continue it", err=True)
+    # Checked and locked before minutes of compiling; a folder made here and left empty goes again.
+    with claim_run_folder(out_dir, loaded.spec, resume=resume, overwrite=overwrite, command=f"graphrl run {job}") as folder:
+        plan = compile_loaded(loaded, cluster, target="run")
+        refuse_unrunnable(plan, loaded)
+        total = plan.programs.steps if plan.programs else 0
+        start = folder.begin(loaded.spec, total, say=lambda line: click.echo(line, err=True))
+        if start is None:
             return
-        click.echo(f"resuming from {ckpt} at step {start_step}", err=True)
-        old, new = meta.get("layout"), checkpoint_layout(plan)
-        if old is not None and old != new:
-            click.echo(f"  on another layout: {old['label']} on {old['ranks']} ranks -> {new['label']} on "
-                       f"{new['ranks']} ranks (the trained state is resharded as it loads)", err=True)
-        dropped = rewind_records(out_dir, start_step)
-        if any(dropped.values()):
-            click.echo("  " + ", ".join(f"{name}: {n} lines after the checkpoint dropped" for name, n in dropped.items()
-                                        if n), err=True)
-    else:
-        remove_records(out_dir)
-    record_run(out_dir, loaded.spec, steps=total, start_step=start_step, resumed_from=resume_from)
-    from graphrl.report import MACHINE_SPEED_FILE
+        for note in start.notes:
+            click.echo(note, err=True)
+        if start.checkpoint is not None:
+            old, new = read_meta(start.checkpoint).get("layout"), checkpoint_layout(plan)
+            if old is not None and old != new:
+                click.echo(f"  on another layout: {old['label']} on {old['ranks']} ranks -> {new['label']} on "
+                           f"{new['ranks']} ranks (the trained state is resharded as it loads)", err=True)
+        from graphrl.report import MACHINE_SPEED_FILE
 
-    (out_dir / MACHINE_SPEED_FILE).unlink(missing_ok=True)  # it describes the end of the run that wrote it
-    settings = None
-    if profile is not None:
-        from graphrl.executors.profiling import ProfileSettings
+        (out_dir / MACHINE_SPEED_FILE).unlink(missing_ok=True)  # it describes the end of the run that wrote it
+        settings = None
+        if profile is not None:
+            from graphrl.executors.profiling import ProfileSettings
 
-        profile.mkdir(parents=True, exist_ok=True)
-        settings = ProfileSettings(profile, memory=profile_memory)
-    click.echo(f"running {loaded.spec.name}: {plan.chosen.label} [{plan.chosen.estimate.mode}] on "
-               f"{plan.cluster.num_devices} ranks, {total} steps -> {out_dir}", err=True)
-    click.echo(_predicted_line(plan), err=True)
-    last: dict[str, Any] = {}
-    if quiet:
-        outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from,
-                               on_metrics=lambda row: last.update(row), profile=settings, resume_hint=_resume_hint(job, out_dir))
-    else:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            profile.mkdir(parents=True, exist_ok=True)
+            settings = ProfileSettings(profile, memory=profile_memory)
+        click.echo(f"running {loaded.spec.name}: {plan.chosen.label} [{plan.chosen.estimate.mode}] on "
+                   f"{plan.cluster.num_devices} ranks, {total} steps -> {out_dir}", err=True)
+        click.echo(_predicted_line(plan), err=True)
+        last: dict[str, Any] = {}
+        launch = functools.partial(launch_local, plan, out_dir, start_step=start.step, resume_from=start.checkpoint,
+                                   profile=settings, resume_hint=_resume_hint(job, out_dir, click.get_current_context().params),
+                                   on_stopping=lambda line: click.echo(f"\n{line}", err=True))
+        try:
+            if quiet:
+                outcome = launch(on_metrics=last.update)
+            else:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                      TextColumn("reward {task.fields[reward]:.3f}  {task.fields[step_s]:.2f} s/step  "
-                                 "{task.fields[tok_s]:.0f} tok/s"),
-                      TimeElapsedColumn(), transient=False) as bar:
-            task = bar.add_task("run", total=total, completed=start_step, reward=0.0, step_s=0.0, tok_s=0.0)
+                with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                              TextColumn("reward {task.fields[reward]:.3f}  {task.fields[step_s]:.2f} s/step  "
+                                         "{task.fields[tok_s]:.0f} tok/s"),
+                              TimeElapsedColumn(), transient=False) as bar:
+                    task = bar.add_task("run", total=total, completed=start.step, reward=0.0, step_s=0.0, tok_s=0.0)
 
-            def update(row: dict[str, Any]) -> None:
-                last.update(row)
-                bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"], step_s=row["step_time_s"],
-                           tok_s=row.get("tokens_per_s", 0.0))
+                    def update(row: dict[str, Any]) -> None:
+                        last.update(row)
+                        bar.update(task, completed=row["step"] + 1, reward=row["reward_mean"],
+                                   step_s=row["step_time_s"], tok_s=row.get("tokens_per_s", 0.0))
 
-            outcome = launch_local(plan, out_dir, start_step=start_step, resume_from=resume_from, on_metrics=update,
-                                   profile=settings, resume_hint=_resume_hint(job, out_dir))
+                    outcome = launch(on_metrics=update)
+        except GraphRLError as exc:
+            record_outcome(out_dir, "stopped" if isinstance(exc, Interrupted) else "failed", last_step=last.get("step"))
+            raise
+        record_outcome(out_dir, "finished", last_step=last.get("step"))
     summary = ", ".join(f"{k} {last[k]:.4g}" for k in ("reward_mean", "loss") if k in last)
     click.echo(f"done: {outcome.steps_done} steps in {outcome.wall_s:.1f} s ({summary}); metrics in {out_dir / 'metrics.jsonl'}, "
                f"timeline in {out_dir / 'timeline.json'}")
-    measured = _measured_line(plan, out_dir / "metrics.jsonl", start_step) if outcome.steps_done else None
+    measured = _measured_line(plan, out_dir / "metrics.jsonl", start.step) if outcome.steps_done else None
     if measured is not None:
         click.echo(measured)
         speed = _machine_speed_line(plan, out_dir)
@@ -599,12 +636,18 @@ def _machine_speed_line(plan, out_dir: Path) -> str | None:  # noqa: ANN001
             f"{speed['calibrated_s'] * 1e3:.2f} ms calibrated)")
 
 
-def _resume_hint(job: str, out_dir: Path) -> str:
-    """The command that continues a run."""
+def _resume_hint(job: str, out_dir: Path, options: dict[str, Any]) -> str:
+    """The command that continues a run: the job with the options it ran with (`run`'s parameters), its
+    folder, --resume."""
     import shlex
 
-    return (f"graphrl run {shlex.quote(job)} --out {shlex.quote(str(out_dir))} --resume (with the same --set "
-            "options; --steps may grow)")
+    words = ["graphrl", "run", job]
+    for name in ("cluster", "steps", "seed", "schedule", "strategy"):
+        if options.get(name) is not None:
+            words += [f"--{name}", str(options[name])]
+    for text in options.get("sets", ()):
+        words += ["--set", text]
+    return shlex.join([*words, "--out", str(out_dir), "--resume"])
 
 
 @main.command()
@@ -638,20 +681,22 @@ def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: 
               help="Leading steps left out of the averages (start-up, allocator and kernel warm-up).")
 def report(run_dir: Path, fmt: str, output: Path | None, width: int, warmup_steps: int) -> None:
     """Report on a run folder: reward, loss and KL curves, and measured time against the plan's prediction."""
+    from graphrl.executors.runfolder import RUN_OUTPUTS, record_written
     from graphrl.report import build_report
 
+    target = output or (run_dir / "report.html" if fmt == "html" else None)
+    if target is not None:  # what a run wrote is what the report reads
+        reads = {run_dir / pattern.split("/")[0] for pattern in RUN_OUTPUTS}
+        refuse_overwriting_inputs(target, reads, "-o")
     rep = build_report(run_dir, warmup_steps=warmup_steps)
-    if fmt == "html":
-        target = output or run_dir / "report.html"
-        target.write_text(rep.render_html())
-        click.echo(f"wrote {target}", err=True)
+    out = rep.render_html() if fmt == "html" else \
+        (json.dumps(rep.data, indent=2) if fmt == "json" else rep.render_text(width=width)) + "\n"
+    if target is None:
+        click.echo(out, nl=False)
         return
-    out = json.dumps(rep.data, indent=2) if fmt == "json" else rep.render_text(width=width)
-    if output is not None:
-        output.write_text(out + "\n")
-        click.echo(f"wrote {output}", err=True)
-    else:
-        click.echo(out)
+    write_atomically(target, out)
+    record_written(run_dir, target)  # graphrl's, for a later --overwrite of the run folder
+    click.echo(f"wrote {target}", err=True)
 
 
 @main.command(name="import")

@@ -116,6 +116,18 @@ class DataError(GraphRLError):
     """A file the job reads (dataset, checkpoint) is unreadable, damaged or not what it claims to be."""
 
 
+class Interrupted(GraphRLError):
+    """The user (Ctrl-C) or the system (SIGTERM) ended a command before it finished; nothing is wrong with
+    the input. Exits with 128 + the signal's number, as a shell reports a process ended by that signal."""
+
+    kind = "stopped"
+
+    def __init__(self, message: str, *, signum: int, fix: str | None = None) -> None:
+        super().__init__(message, fix=fix)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
 class InternalError(Exception):
     """A bug in graphrl: an invariant of ours was broken. Not the user's fault."""
 

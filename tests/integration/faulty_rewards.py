@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,3 +56,39 @@ def returns_a_string(prompt_ids, prompt_mask, response_ids, response_mask):  # n
 
 def rule_returning_nan(response: str, answer: str) -> float:
     return float("nan")
+
+
+def _ctrl_c() -> None:
+    """What a terminal's Ctrl-C does: SIGINT to every process of the run's process group (the launcher,
+    the ranks), sent from the first rank, so that it lands at a known point of the run."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.killpg(os.getpgid(0), signal.SIGINT)
+
+
+def ctrl_c_in_step_two(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    """Ctrl-C while step 2 scores its responses (the third call), once per process; the run must stop after
+    step 2."""
+    _calls["n"] += 1
+    if _calls["n"] == 3 and os.environ.get("GRAPHRL_TEST_CTRL_C") == "1":
+        _ctrl_c()
+    return _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def ctrl_c_then_hang_in_step_two(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    """Ctrl-C in step 2, then a step that does not end (a hung tool, a very long step): only a second
+    Ctrl-C ends the run."""
+    _calls["n"] += 1
+    if _calls["n"] == 3:
+        _ctrl_c()
+        time.sleep(600)
+    return _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def ctrl_c_while_starting(**options):  # noqa: ANN003
+    """The digit-copy task, built while a rank starts: Ctrl-C there, before any step runs."""
+    from graphrl.tasks import TASKS
+
+    if dist.is_initialized():
+        _ctrl_c()
+        time.sleep(2.0)  # the signal is handled here, while the rank is still starting
+    return TASKS["digits-copy"](**options)

@@ -84,6 +84,7 @@ def interrupted(full: Path, part: Path) -> dict:
     (part / "checkpoints").mkdir(parents=True)
     shutil.copytree(first, part / "checkpoints" / first.name)
     (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(full)[:EVERY]))
+    shutil.copy(full / "run.json", part / "run.json")  # the folder's marker: a run wrote it
     return json.loads((first / "meta.json").read_text())
 
 
