@@ -18,6 +18,7 @@ Units: bytes, FLOPs, seconds, tokens. Bandwidths are bytes/s, one direction, per
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -82,18 +83,21 @@ def param_tensor_count(dims: ModelDims) -> int:
     return len(LLAMA_LAYER) * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
 
 
-def _stage_units(dims: ModelDims, tp: int, pp: int, dtype_bytes: float) -> tuple[int, list[range]]:
-    """(layers of one pipeline stage, their FSDP2 units), a layer holding layer_params / tp weights of
-    `dtype_bytes` on one rank before sharding."""
+@functools.cache
+def _stage_units(dims: ModelDims, tp: int, pp: int, dtype_bytes: float) -> tuple[int, int, int]:
+    """(layers of one pipeline stage, their FSDP2 units, layers in the largest unit; 0 and 0 when they
+    make a single unit), a layer holding layer_params / tp weights of `dtype_bytes` on one rank before
+    sharding. Cached: the placement search asks for the same few shapes thousands of times."""
     per_stage = max(1, math.ceil(dims.num_layers / pp))
-    return per_stage, fsdp_layer_units(per_stage, layer_params(dims) / tp * dtype_bytes)
+    units = fsdp_layer_units(per_stage, layer_params(dims) / tp * dtype_bytes)
+    return per_stage, len(units), len(units[0]) if units else 0
 
 
 def fsdp_unit_layers(dims: ModelDims, *, tp: int, dtype_bytes: float, pp: int = 1) -> int:
     """Decoder layers in the largest FSDP2 unit of one pipeline stage (`fsdp_layer_units`); all the
     stage's layers when they make a single unit."""
-    per_stage, units = _stage_units(dims, tp, pp, dtype_bytes)
-    return len(units[0]) if units else per_stage
+    per_stage, num_units, largest = _stage_units(dims, tp, pp, dtype_bytes)
+    return largest if num_units else per_stage
 
 
 def fsdp_units(dims: ModelDims, *, tp: int, dtype_bytes: float, pp: int = 1, trained: bool = True) -> int:
@@ -101,10 +105,10 @@ def fsdp_units(dims: ModelDims, *, tp: int, dtype_bytes: float, pp: int = 1, tra
     them: a trained model's units of decoder layers (`fsdp_layer_units`) plus its root (embedding, final
     norm, head), or a single unit where the layers make one; a frozen model's layers one by one (each is
     its own FSDP2 root, `executors.parallel.shard_frozen`)."""
-    per_stage, units = _stage_units(dims, tp, pp, dtype_bytes)
+    per_stage, num_units, _ = _stage_units(dims, tp, pp, dtype_bytes)
     if not trained:
         return per_stage
-    return len(units) + 1 if units else 1
+    return num_units + 1 if num_units else 1
 
 
 # DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
@@ -125,6 +129,7 @@ def block_linear_rows(dims: ModelDims) -> int:
     return sum(shape[0] for m in LLAMA_LAYER if len(shape := m.shape(dims)) == 2)
 
 
+@functools.cache  # the placement search asks for the same few precisions of each model thousands of times
 def weight_bytes(dims: ModelDims, bytes_per_param: float, rest_bytes_per_param: float | None = None) -> float:
     """Bytes of all weights when the block linears are stored at `bytes_per_param`.
 

@@ -48,7 +48,7 @@ class Lengths:
     def fixed(cls, length: int) -> "Lengths":
         return cls((float(length),), f"every response {length} tokens (max_new_tokens)")
 
-    @property
+    @functools.cached_property
     def mean(self) -> float:
         return math.fsum(self.grid) / len(self.grid)
 
@@ -67,7 +67,18 @@ class Lengths:
     def longest(self, n: float) -> float:
         """Expected longest of `n` responses drawn from the distribution: sum of x_i (F_i^n - F_{i-1}^n)
         over the grid, F_i = i / size (the mean for one, 0 for none)."""
-        return _longest(self.grid, float(n)) if n > 0 else 0.0
+        if n <= 0:
+            return 0.0
+        found = self._longest_by_count.get(n)
+        if found is None:
+            found = self._longest_by_count[n] = _longest(self.grid, float(n))
+        return found
+
+    @functools.cached_property
+    def _longest_by_count(self) -> dict[float, float]:
+        """`longest` by n, as asked: the placement search asks for a few counts thousands of times, and the
+        module's caches key on the grid, which is hashed anew at every call."""
+        return {}
 
     def survival(self, n: float, segments: int = 16) -> list[tuple[float, float, float]]:
         """A decode of `n` responses that all start together, as up to `segments` spans of decode steps

@@ -44,14 +44,14 @@ def infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
     mem = cost.inference_memory(role.dims, tp=cfg.tp, pp=cfg.pp, precision="bf16", batch=micro,
                                 context_len=w.seq_len, generator=False)
     dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
-    mem = replace(mem, params=cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp))
+    params, gathered = cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp), mem.gathered
     d = cfg.dp * cfg.fsdp
     if d > 1:  # the decoder layers are sharded over d and gathered one (and the prefetched one) at a time;
         # the embedding, final norm and head stay whole (`executors.parallel.shard_frozen`)
         layer = cost.layer_params(role.dims) / cfg.tp * dtype_bytes
         layers = role.dims.num_layers / cfg.pp * layer
-        mem = replace(mem, params=mem.params - layers + layers / d + 2 * layer, gathered=2 * layer)
-    return mem
+        params, gathered = params - layers + layers / d + 2 * layer, 2 * layer
+    return replace(mem, params=params, gathered=gathered)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+import functools
 import math
 from math import prod
 from typing import Callable, Literal, Mapping, Sequence
@@ -290,11 +291,15 @@ def llama_params(dims: ModelDims, head: Head = "lm") -> list[ParamInfo]:
             for name, spec, layer in llama_modules(dims, head)]
 
 
+# The counts are cached: the placement search asks for them thousands of times per model, and a
+# `ModelDims` is frozen, so the same dims always have the same counts.
+@functools.cache
 def llama_layer_param_count(dims: ModelDims, *, matmuls_only: bool = False) -> int:
     """Parameters of one decoder layer (with `matmuls_only`, of its linear layers alone)."""
     return sum(prod(m.shape(dims)) for m in LLAMA_LAYER if not matmuls_only or len(m.shape(dims)) == 2)
 
 
+@functools.cache
 def llama_param_count(dims: ModelDims, head: Head = "lm") -> int:
     """Number of distinct parameters (a tied head counts once), without listing every layer's."""
     outer = (LLAMA_EMBEDDING, LLAMA_FINAL_NORM, *_head(dims, head))
