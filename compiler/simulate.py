@@ -15,10 +15,11 @@ a timeline (Chrome trace JSON for Perfetto, and a text Gantt).
 from __future__ import annotations
 
 import json
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from graphrl.errors import VerifyError
 from graphrl.schemas.hardware import HardwareSpec
@@ -30,16 +31,20 @@ from graphrl.compiler.timing import p2p_seconds
 _IGNORED_IN_KEY = {"start", "stop", "num_bytes", "peer", "tag"}
 
 
-_KEY_FIELDS: dict[type, tuple[str, ...]] = {}
+def _key_fields(cls: type) -> Callable[[Instruction], Any]:
+    """A getter of the operands of kind `cls` that every member of a group must agree on."""
+    names = tuple(f for f in cls.__dataclass_fields__ if f not in _IGNORED_IN_KEY)  # type: ignore[attr-defined]
+    getter = operator.attrgetter(*names) if names else (lambda ins: ())
+    return (lambda ins: (getter(ins),)) if len(names) == 1 else getter
+
+
+_KEY_FIELDS: dict[type, Callable[[Instruction], Any]] = {cls: _key_fields(cls) for cls in INSTRUCTION_TYPES.values()}
 
 
 def group_key(ins: Instruction) -> tuple:
     """What every member of a group must agree on: the type and the operands that are not per-rank."""
     cls = type(ins)
-    names = _KEY_FIELDS.get(cls)
-    if names is None:
-        names = _KEY_FIELDS[cls] = tuple(f for f in cls.__dataclass_fields__ if f not in _IGNORED_IN_KEY)  # type: ignore[attr-defined]
-    return (cls,) + tuple([getattr(ins, f) for f in names])
+    return (cls,) + _KEY_FIELDS[cls](ins)
 
 
 @dataclass
@@ -102,8 +107,11 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
             clock[r] = end
             busy[r] += dur
             pc[r] += 1
-            if trace and r in trace_ranks:  # type: ignore[operator]
-                spans.append(Span(r, label(ins), type(ins).__name__, start, end))
+        if trace:
+            traced = [r for r in ranks if r in trace_ranks]  # type: ignore[operator]
+            if traced:
+                name, kind = label(ins), type(ins).__name__
+                spans.extend(Span(r, name, kind, start, end) for r in traced)
         if TRAITS[type(ins)].weights == "produces":
             step_done[ins.step] = max(step_done.get(ins.step, 0.0), end)  # type: ignore[union-attr]
 

@@ -18,6 +18,7 @@ Operand conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Iterator
 from dataclasses import fields
@@ -378,6 +379,10 @@ def _shift_spec(cls: type) -> tuple[Any, tuple[int, ...], int | None] | None:
 _SHIFT_SPECS = {cls: _shift_spec(cls) for cls in INSTRUCTION_TYPES.values()}
 
 
+# Cached: expanding or folding programs shifts the equal instruction of every rank of a group (one
+# `Generate` per generator replica rank, one `TrainStep` per trainer rank) by the same steps, and
+# instructions are frozen values, so one shifted copy serves them all.
+@functools.lru_cache(maxsize=1 << 16)
 def shift(ins: Instruction, steps: int) -> Instruction:
     """`ins` moved `steps` steps later: its step, its weight version and its tag all advance together."""
     spec = _SHIFT_SPECS[type(ins)]
