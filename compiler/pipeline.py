@@ -33,6 +33,9 @@ from graphrl.compiler.weight_sync import check_weight_sync, plan_policy_sync
 # Steps of the programs the placement refinement simulates per candidate (enough for an asynchronous
 # pipeline to reach its steady state).
 SIMULATE_RANKING_STEPS = 6
+# The programs those simulations run: written out whole, as the simulator expands them anyway (a loop
+# folded from longer transcripts and checked would give the same instructions, at twice the work).
+RANKING_SETTINGS = ProgramSettings(steps=SIMULATE_RANKING_STEPS, checkpoint_every=0, periodic=False)
 
 
 @compiler_pass("typecheck", ensures=("types",))
@@ -146,10 +149,8 @@ def refine_placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     placed = need(s.placement, "placement")
     if not placed.contenders:
         return s
-    settings = ProgramSettings(steps=SIMULATE_RANKING_STEPS, checkpoint_every=0)
-
     def step_time(layout: Layout, durations: Mapping[CostKey, float]) -> float:
-        programs = programs_on(s, ctx, layout, durations, settings)
+        programs = programs_on(s, ctx, layout, durations, RANKING_SETTINGS)
         return run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node,
                             timed=True).step_time_s
 
@@ -168,7 +169,7 @@ def simulated_estimate(s: Compilation, ctx: CompileContext, layout: Layout, dura
     `SIMULATE_RANKING_STEPS` steps, and the phases of the busiest rank's step (`phase_breakdown`), which
     add up to it."""
     placed = need(s.placement, "placement")
-    programs = programs_on(s, ctx, layout, durations, ProgramSettings(steps=SIMULATE_RANKING_STEPS, checkpoint_every=0))
+    programs = programs_on(s, ctx, layout, durations, RANKING_SETTINGS)
     result = run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True,
                           trace_ranks=set(range(len(programs.streams))))
     estimate = layout.estimate.model_copy(update={"step_time_s": result.step_time_s, "method": "simulated",
