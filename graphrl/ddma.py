@@ -99,8 +99,9 @@ class TransferRound:
     def num_bytes(self) -> int:
         return sum(b.num_bytes for b in self.buckets)
 
-    @property
+    @functools.cached_property
     def max_bucket_bytes(self) -> int:
+        """The round's largest bucket (what its time follows); read by the summary and the timing alike."""
         return max((b.num_bytes for b in self.buckets), default=0)
 
 
@@ -274,7 +275,7 @@ def _plan(
         for dreg, dranks in cls.dst_groups.items():
             dsize = region_size(dreg)
             lower_bound += dsize * n * eb * len(dranks)
-            for r in dranks:
+            for r in dranks if own else ():
                 if r in own:
                     lower_bound -= _overlap_size(dreg, own[r]) * n * eb
             if dsize == 0:
@@ -626,12 +627,14 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
     def lowest_free(mask: int) -> int:
         return ((mask + 1) & ~mask).bit_length() - 1
 
-    for e in order:
+    for e in order:  # the common case inline (first fit): ~10^5 edges at 405B scale
         u, v = ends[e]
-        degree[u] += 1
-        degree[v] += 1
-        cap = max(cap, degree[u], degree[v])
-        c = lowest_free(used[u] | used[v])
+        du = degree[u] = degree[u] + 1
+        dv = degree[v] = degree[v] + 1
+        if du > cap or dv > cap:
+            cap = du if du > dv else dv
+        both = used[u] | used[v]
+        c = ((both + 1) & ~both).bit_length() - 1
         if c >= cap:
             # No common free colour below cap, so a (free at u) is used at v and b (free at
             # v) is used at u. Two ways out: free a at v (swap the a/b path from v) or free b
@@ -666,8 +669,9 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
             c = a if done is walks[0] else b
         colour[e] = c
         at[u][c] = at[v][c] = e
-        used[u] |= 1 << c
-        used[v] |= 1 << c
+        bit = 1 << c
+        used[u] |= bit
+        used[v] |= bit
     return colour
 
 
