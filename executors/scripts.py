@@ -15,8 +15,14 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(Path(__file__).pare
                           undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 
 
-def write_launch(plan: Plan, kind: str, out_dir: Path, *, run_dir: Path | None = None, port: int = 29512) -> tuple[Path, Path]:
-    """Write the plan and a launch script into `out_dir`; return (plan path, script path)."""
+DEFAULT_GRACE_S = 120
+
+
+def write_launch(plan: Plan, kind: str, out_dir: Path, *, run_dir: Path | None = None, port: int = 29512,
+                 grace_s: int = DEFAULT_GRACE_S) -> tuple[Path, Path]:
+    """Write the plan and a launch script into `out_dir`; return (plan path, script path). On SIGTERM the
+    ranks stop after their step with a checkpoint; `grace_s` is how long torchrun waits for that before it
+    kills them, and (SLURM) how long before the time limit the job is sent SIGTERM."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.msgpack"
     save_plan(plan, plan_path)
@@ -25,6 +31,7 @@ def write_launch(plan: Plan, kind: str, out_dir: Path, *, run_dir: Path | None =
         job=plan.job.name, world_size=plan.cluster.num_devices, num_nodes=plan.cluster.num_nodes,
         per_node=plan.cluster.devices_per_node, port=port, plan=plan_path.resolve(),
         out_dir=(run_dir or out_dir / "run").resolve(), python=sys.executable, threads=plan.job.run.threads_per_rank,
+        grace_s=grace_s,
     )
     script.write_text(text)
     script.chmod(0o755)

@@ -657,18 +657,46 @@ def _resume_hint(job: str, out_dir: Path, options: dict[str, Any]) -> str:
 @click.option("--steps", type=int, help="Number of RL steps.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("launch"),
               show_default=True, help="Folder for the plan and the script.")
+@click.option("--out", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Run folder the script writes (default: OUTPUT/run). Checked now as `graphrl run` checks it; "
+                   "a run of this job there is continued from its newest checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Delete what an earlier run wrote in the run folder now (nothing else).")
 @click.option("--port", type=click.IntRange(1, 65535), default=29512, show_default=True, help="Rendezvous port.")
+@click.option("--grace-period", "grace_s", type=click.IntRange(1, 86400), default=120, show_default=True,
+              help="Seconds the ranks get after SIGTERM to finish their step and checkpoint it before they are "
+                   "killed (torchrun's shutdown timeout; SLURM sends SIGTERM this long before the time limit).")
 @set_option
-def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: Path, port: int,
-           sets: tuple[str, ...]) -> None:
-    """Compile JOB and write a torchrun or SLURM script that runs `python -m graphrl.executors PLAN`."""
+def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: Path, run_dir: Path | None,
+           overwrite: bool, port: int, grace_s: int, sets: tuple[str, ...]) -> None:
+    """Compile JOB and write a torchrun or SLURM script that runs `python -m graphrl.executors PLAN`. Running
+    the script again continues the run from its newest checkpoint."""
+    from graphrl.executors.runfolder import claim_run_folder, read_record, remove_run_outputs, work_done
     from graphrl.executors.scripts import write_launch
 
     loaded = _override(load_with_sets(job, sets), steps=steps)
+    run_dir = run_dir or output / "run"
+    refuse_overwriting_inputs(output / "plan.msgpack", _inputs(loaded, cluster), "-o")
+    refuse_overwriting_inputs(output / ("launch.sh" if emit == "torchrun" else "launch.sbatch"),
+                              _inputs(loaded, cluster), "-o")
+    # The folder as the run will find it: a folder in use, someone else's files where a run writes, or (to be
+    # continued) another job's run are refused now, before the scheduler's queue.
+    record = read_record(run_dir)
+    continuing = record is not None and work_done(run_dir) and not overwrite
+    claim_run_folder(run_dir, loaded.spec, resume=continuing, overwrite=not continuing,
+                     command=f"graphrl launch {job}").release()
+    if overwrite and record is not None:
+        remove_run_outputs(run_dir, record)
     plan = compile_loaded(loaded, cluster, target="run")
     refuse_unrunnable(plan, loaded)
-    plan_path, script = write_launch(plan, emit, output, port=port)
-    click.echo(f"wrote {plan_path} and {script}")
+    if plan.programs is not None and plan.programs.steps:
+        step_s = plan.chosen.estimate.step_time_s
+        if step_s > grace_s / 2:
+            click.echo(f"warning: a step is predicted to take {step_s:.3g} s, so a SIGTERM may leave too little of "
+                       f"the {grace_s} s grace period to finish it and write its checkpoint; pass a larger "
+                       "--grace-period", err=True)
+    run_dir.mkdir(parents=True, exist_ok=True)  # SLURM writes its log there from the start
+    plan_path, script = write_launch(plan, emit, output, run_dir=run_dir, port=port, grace_s=grace_s)
+    click.echo(f"wrote {plan_path} and {script}" + (f"; it continues the run in {run_dir}" if continuing else ""))
 
 
 @main.command()

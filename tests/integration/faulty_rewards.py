@@ -58,19 +58,21 @@ def rule_returning_nan(response: str, answer: str) -> float:
     return float("nan")
 
 
-def _ctrl_c() -> None:
-    """What a terminal's Ctrl-C does: SIGINT to every process of the run's process group (the launcher,
-    the ranks), sent from the first rank, so that it lands at a known point of the run."""
+def _signal_the_group(signum: int = signal.SIGINT) -> None:
+    """What a terminal's Ctrl-C does (SIGINT), or a scheduler's SIGTERM: the signal to every process of the
+    run's process group (the launcher, the ranks), sent from the first rank, so that it lands at a known
+    point of the run."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        os.killpg(os.getpgid(0), signal.SIGINT)
+        os.killpg(os.getpgid(0), signum)
 
 
-def ctrl_c_in_step_two(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
-    """Ctrl-C while step 2 scores its responses (the third call), once per process; the run must stop after
-    step 2."""
+def signal_in_step_two(prompt_ids, prompt_mask, response_ids, response_mask):  # noqa: ANN001
+    """The signal named by GRAPHRL_TEST_SIGNAL (SIGINT, SIGTERM) while step 2 scores its responses (the third
+    call), once per process; the run must stop after step 2. Without it, the digit-copy reward."""
     _calls["n"] += 1
-    if _calls["n"] == 3 and os.environ.get("GRAPHRL_TEST_CTRL_C") == "1":
-        _ctrl_c()
+    name = os.environ.get("GRAPHRL_TEST_SIGNAL")
+    if _calls["n"] == 3 and name:
+        _signal_the_group(signal.Signals[name])
     return _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
@@ -79,7 +81,7 @@ def ctrl_c_then_hang_in_step_two(prompt_ids, prompt_mask, response_ids, response
     Ctrl-C ends the run."""
     _calls["n"] += 1
     if _calls["n"] == 3:
-        _ctrl_c()
+        _signal_the_group()
         time.sleep(600)
     return _copy_reward(prompt_ids, prompt_mask, response_ids, response_mask)
 
@@ -89,6 +91,6 @@ def ctrl_c_while_starting(**options):  # noqa: ANN003
     from graphrl.tasks import TASKS
 
     if dist.is_initialized():
-        _ctrl_c()
+        _signal_the_group()
         time.sleep(2.0)  # the signal is handled here, while the rank is still starting
     return TASKS["digits-copy"](**options)

@@ -103,8 +103,8 @@ def test_ctrl_c_in_a_step_stops_after_it_and_the_command_it_gives_continues_exac
     advice disagreed with what --resume then said. Now every rank finishes step 2, that step is
     checkpointed although none was due, the run ends with 130 naming the step and the command, and that
     command continues to the same metrics as a run never interrupted."""
-    job = ["--steps", "5", "--set", "nodes.score.fn=faulty_rewards:ctrl_c_in_step_two"]
-    stopped = Run(*tiny(tmp_path / "run", *job), env={"GRAPHRL_TEST_CTRL_C": "1"})
+    job = ["--steps", "5", "--set", "nodes.score.fn=faulty_rewards:signal_in_step_two"]
+    stopped = Run(*tiny(tmp_path / "run", *job), env={"GRAPHRL_TEST_SIGNAL": "SIGINT"})
     assert stopped.end() == 130, stopped.stderr
     assert "ended the run after step 2" in stopped.stderr and "written and verified" in stopped.stderr
     assert "Traceback" not in stopped.stderr
@@ -209,3 +209,28 @@ def test_one_writer_per_run_folder(tmp_path: Path) -> None:
     first.ctrl_c()
     assert first.end() == 130, first.stderr
     assert latest_checkpoint(out) is not None and not (out / "run.lock").exists()
+
+
+def test_a_torchrun_launch_stops_on_sigterm_and_the_same_script_continues(tmp_path: Path) -> None:
+    """Under torchrun (the script `graphrl launch` writes for clusters) SIGTERM, what SLURM sends before a
+    time limit or a preemption, ended the ranks with nothing saved, and running the script again started
+    the run over. Now the ranks stop after step 2 with a checkpoint, and the same script, started again as
+    a scheduler requeues a job, continues from it to the end."""
+    out = tmp_path / "run"
+    wrote = subprocess.run([sys.executable, "-m", "graphrl.cli", "launch", str(EXAMPLES / "grpo_tiny.yaml"), "--emit",
+                            "torchrun", "-o", str(tmp_path / "launch"), "--out", str(out), "--steps", "5", "--port",
+                            "29733", "--grace-period", "60", "--set", "nodes.score.fn=faulty_rewards:signal_in_step_two"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(HERE)})
+    assert wrote.returncode == 0, wrote.stderr
+    script = tmp_path / "launch" / "launch.sh"
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-60" in script.read_text()
+    env = {**os.environ, "NODE_RANK": "0", "PYTHONPATH": str(HERE)}
+    stopped = subprocess.run(["bash", str(script)], env={**env, "GRAPHRL_TEST_SIGNAL": "SIGTERM"}, capture_output=True,
+                             text=True, timeout=PATIENCE_S, start_new_session=True)
+    assert stopped.returncode != 0, stopped.stderr[-3000:]
+    assert checkpoints(out) == ["step_000002"] and steps_of(out) == [0, 1, 2], stopped.stderr[-3000:]
+    assert checkpoint_problem(out / "checkpoints" / "step_000002") is None
+    again = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=PATIENCE_S,
+                           start_new_session=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stderr and steps_of(out) == [0, 1, 2, 3, 4]

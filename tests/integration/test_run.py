@@ -176,6 +176,8 @@ def test_slurm_script_is_written(tmp_path):
     assert out.exit_code == 0, out.output
     text = (tmp_path / "launch.sbatch").read_text()
     assert "#SBATCH --nodes=8" in text and "-m graphrl.executors" in text and "--nproc-per-node 8" in text
+    # SIGTERM before the time limit, and torchrun's wait for the ranks' checkpoint, both the grace period
+    assert "#SBATCH --signal=TERM@120" in text and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120" in text
 
 
 def test_fsdp2_and_ddp_trainers_compute_the_same_updates(tmp_path):

@@ -97,3 +97,33 @@ def test_report_page_in_the_run_folder_is_recorded_as_graphrls(tmp_path: Path) -
     result = CliRunner().invoke(main, ["report", str(run)])
     assert result.exit_code == 0, result.output
     assert read_record(run)["also_written"] == ["report.html"]
+
+
+def test_launch_checks_the_run_folder_as_run_does(job: Path, tmp_path: Path) -> None:
+    """`graphrl launch` wrote its script whatever the run folder held; the ranks then wrote into another
+    job's run or over a user's files. It checks now, before anything is queued: another job's run is
+    refused, this job's run is continued (its script resumes), --overwrite deletes what that run wrote."""
+    from graphrl.executors.runfolder import record_run
+    from graphrl.loader import load_job
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record_run(run, load_job(job).spec, steps=4, start_step=0, resumed_from=None)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    args = ["launch", str(job), "--emit", "torchrun", "-o", str(tmp_path / "launch"), "--out", str(run)]
+    result = CliRunner().invoke(main, [*args, "--set", "algorithm.lr=0.5"])
+    assert result.exit_code == 2 and "holds another job (algorithm.lr" in result.output, result.output
+    assert not (tmp_path / "launch").exists()
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and f"it continues the run in {run}" in result.output, result.output
+    result = CliRunner().invoke(main, [*args, "--overwrite"])
+    assert result.exit_code == 0 and "continues" not in result.output, result.output
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_launch_warns_when_a_step_outlasts_the_grace_period(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["launch", str(EXAMPLES / "llama3_70b.yaml"), "--emit", "slurm", "-o",
+                                       str(tmp_path), "--grace-period", "10"])
+    assert result.exit_code == 0, result.output
+    assert "a SIGTERM may leave too little of the 10 s grace period" in result.output
+    assert "#SBATCH --signal=TERM@10" in (tmp_path / "launch.sbatch").read_text()
