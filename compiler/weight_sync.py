@@ -27,7 +27,7 @@ from graphrl.schemas.weightsync import WeightSyncRecord
 
 from graphrl.compiler import timing
 from graphrl.compiler.cost import BF16_BYTES
-from graphrl.ddma import DDMA_BUCKET_BYTES, plan_llama_sync, sync_record
+from graphrl.ddma import DDMA_BUCKET_BYTES, gc_paused, plan_llama_sync, sync_record
 from graphrl.compiler.roles import JobShape
 
 
@@ -74,10 +74,13 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
     schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
-    plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes)
-    spans = timing.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
-    seconds = timing.weight_copy_seconds(hw, [r.max_bucket_bytes for r in plan.rounds], spans)
-    return sync_record(plan, model, src, dst, seconds), seconds
+    with gc_paused():  # the plan is dropped before the collector runs again (~10^6 objects at 405B)
+        plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes)
+        spans = timing.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
+        seconds = timing.weight_copy_seconds(hw, [r.max_bucket_bytes for r in plan.rounds], spans)
+        record = sync_record(plan, model, src, dst, seconds)
+        del plan
+    return record, seconds
 
 
 def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> list[str]:

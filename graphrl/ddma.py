@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from itertools import chain, product
 from math import ceil, prod
 from operator import itemgetter
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from graphrl.schemas.job import PRECISION_BYTES
 from graphrl.schemas.model import ModelDims
@@ -78,9 +78,9 @@ class Slice:
         return region_size(self.dst_region)
 
 
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """One flat buffer from `src` to `dst`: its slices packed in order. src == dst is a local copy."""
+class Bucket(NamedTuple):
+    """One flat buffer from `src` to `dst`: its slices packed in order. src == dst is a local copy.
+    (A named tuple: a 405B plan makes ~2 * 10^5 of them.)"""
 
     src: int
     dst: int
@@ -229,15 +229,16 @@ def plan_weight_sync(
         dup = sorted({n for n in names if names.count(n) > 1})
         raise PlacementError(f"weight sync: parameter names repeat: {dup[:5]}")
 
-    with _gc_paused():
+    with gc_paused():
         return _plan(params, src_mesh, src_layout, dst_mesh, dst_layout, src_bytes_per_elem, dst_bytes_per_elem,
                      bucket_bytes, group_of)
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Planning builds ~10^6 small acyclic objects (slices, buckets); cyclic GC passes over them
-    are pure overhead (~25% of the time at 405B scale). Restores the previous GC state."""
+    are pure overhead (~25% of the time at 405B scale). Restores the previous GC state. A caller that
+    keeps only a record of the plan pauses around both, so the collector never walks the plan at all."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -613,14 +614,13 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
     a/b alternating path that starts at v (it cannot reach u: the graph is bipartite), after
     which a is free at both -- or along the b/a path from u, freeing b, whichever is shorter.
     """
-    # Senders and receivers are separate vertices even when one rank is both.
-    index: dict[tuple[int, int], int] = {}
-    ends = []
-    for u, v in edges:
-        ends.append((index.setdefault((0, u), len(index)), index.setdefault((1, v), len(index))))
-    at: list[dict[int, int]] = [{} for _ in index]  # vertex -> colour -> edge
-    used = [0] * len(index)  # vertex -> bitmask of colours in use
-    degree = [0] * len(index)  # of the edges coloured so far
+    # Senders and receivers are separate vertices even when one rank is both: sender u is vertex u,
+    # receiver v is vertex `size + v`.
+    size = 1 + max((max(u, v) for u, v in edges), default=0)
+    ends = [(u, size + v) for u, v in edges]
+    at: list[dict[int, int]] = [{} for _ in range(2 * size)]  # vertex -> colour -> edge
+    used = [0] * (2 * size)  # vertex -> bitmask of colours in use
+    degree = [0] * (2 * size)  # of the edges coloured so far
     cap = 0  # max degree of the edges coloured so far: colours stay below it
     colour = [-1] * len(edges)
 
@@ -765,7 +765,8 @@ def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicte
 
 @functools.lru_cache(maxsize=16)
 def _rank_record(dims: ModelDims, model: str, src: Mesh, dst: Mesh, precision: str, rank: int) -> WeightSyncRecord:
-    return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank)
+    with gc_paused():
+        return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank)
 
 
 def rank_sync_record(plan: Plan, model: str, rank: int) -> WeightSyncRecord:
