@@ -77,6 +77,7 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
     streams = programs.streams
     n = len(streams)
     groups = programs.groups
+    members_of = {name: frozenset(ranks) for name, ranks in groups.items()}  # membership, in O(1)
     durations = programs.durations
     pc = [0] * n
     clock = [0.0] * n
@@ -156,7 +157,7 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
                 members = groups.get(group_name)
                 if members is None:
                     raise VerifyError(f"rank {rank} instruction {pc[rank]} ({describe(ins)}) names unknown group {group_name!r}")
-                if rank not in members:
+                if rank not in members_of[group_name]:
                     raise VerifyError(f"rank {rank} instruction {pc[rank]} ({describe(ins)}) is not in its group {group_name!r}")
                 if len(members) > 1:
                     key = (group_name, group_key(ins))
