@@ -52,12 +52,13 @@ def check_memory(programs: Programs, layout: Layout, usable_bytes: float) -> flo
 
 
 def check_staleness(programs: Programs, mode: str, max_staleness: int) -> None:
+    streams = programs.streams  # expanded once for both walks
     produced: set[int] = {0}
-    for stream in programs.streams:
+    for stream in streams:
         for ins in stream:
             if TRAITS[type(ins)].weights == "produces":
                 produced.add(ins.version)  # type: ignore[union-attr]
-    for rank, stream in enumerate(programs.streams):
+    for rank, stream in enumerate(streams):
         held: int | None = None
         for index, ins in enumerate(stream):
             weights = TRAITS[type(ins)].weights
