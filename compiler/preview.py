@@ -7,9 +7,10 @@ colocated-synchronous baseline beside it with the ratio.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import jinja2
 from rich import box
 from rich.console import Console, Group
 from rich.table import Table
@@ -20,6 +21,9 @@ from graphrl.schemas.plan import Layout, Plan, RolePlacement
 from graphrl.schemas.program import PHASES
 
 from graphrl.compiler.simulate import WAIT_PHASE
+
+if TYPE_CHECKING:
+    import jinja2
 
 GB = 1e9
 
@@ -158,17 +162,24 @@ def explain_table(plan: Plan) -> Table:
     return table
 
 
-_TEMPLATES = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
-    autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True, lstrip_blocks=True,
-)
-_TEMPLATES.filters["bytes"] = human_bytes
-_TEMPLATES.filters["seconds"] = human_seconds
+@functools.cache
+def _templates() -> jinja2.Environment:
+    """The HTML page's templates; jinja2 is imported by the one view that needs it, not by every
+    command that imports this module (the terminal preview, `simulate`)."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
+        autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True, lstrip_blocks=True,
+    )
+    env.filters["bytes"] = human_bytes
+    env.filters["seconds"] = human_seconds
+    return env
 
 
 def render_html(plan: Plan) -> str:
     """A self-contained page: no scripts, stylesheets or fonts from elsewhere."""
     data = plan.preview_dict()
     layouts = [("chosen", plan.chosen)] + ([("baseline", plan.baseline)] if plan.baseline else [])
-    return _TEMPLATES.get_template("plan.html.j2").render(plan=plan, data=data, layouts=layouts,
-                                                          num_devices=plan.cluster.num_devices)
+    return _templates().get_template("plan.html.j2").render(plan=plan, data=data, layouts=layouts,
+                                                            num_devices=plan.cluster.num_devices)
