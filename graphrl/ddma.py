@@ -65,9 +65,9 @@ from graphrl.schemas.weightsync import WeightSyncRecord, WeightSyncSummary
 from graphrl.errors import JobError, PlacementError, RunError
 
 
-@dataclass(frozen=True, slots=True)
-class Slice:
-    """One box of one parameter, in full-tensor coordinates on both sides (they are the same box)."""
+class Slice(NamedTuple):
+    """One box of one parameter, in full-tensor coordinates on both sides (they are the same box).
+    (A named tuple, as `Bucket`: a 405B plan makes ~10^5 of them.)"""
 
     param: str
     src_region: Region
@@ -616,7 +616,7 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
     """
     # Senders and receivers are separate vertices even when one rank is both: sender u is vertex u,
     # receiver v is vertex `size + v`.
-    size = 1 + max((max(u, v) for u, v in edges), default=0)
+    size = 1 + max(map(max, edges), default=0)
     ends = [(u, size + v) for u, v in edges]
     at: list[dict[int, int]] = [{} for _ in range(2 * size)]  # vertex -> colour -> edge
     used = [0] * (2 * size)  # vertex -> bitmask of colours in use
