@@ -173,16 +173,16 @@ class RunFolder:
     resume: bool
     overwrite: bool
     lock: RunFolderLock
-    created: bool
+    created: list[Path]  # the folders this process made for it, innermost first
 
     def release(self) -> None:
-        """Unlock; a folder this process created and left empty (compiling failed or was interrupted) goes."""
+        """Unlock; folders this process created and left empty (compiling failed or was interrupted) go."""
         self.lock.release()
-        if self.created:
+        for folder in self.created:
             try:
-                self.path.rmdir()
+                folder.rmdir()
             except OSError:
-                pass
+                break
 
     def __enter__(self) -> "RunFolder":
         return self
@@ -194,7 +194,7 @@ class RunFolder:
         """Make the folder ready for a run of `total_steps` steps: delete an earlier run's outputs (with
         --overwrite, or where it did nothing), or find the checkpoint a resume continues from and rewind
         the records to it; record the run in `run.json`. None: a resume with nothing left to run."""
-        self.created = False  # from here on the folder holds the run
+        self.created = []  # from here on the folder holds the run
         record = read_record(self.path)
         start = Start(0, None)
         if self.resume:
@@ -238,7 +238,7 @@ def claim_run_folder(out_dir: Path, spec: Any, *, resume: bool, overwrite: bool,
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"run folder {out_dir} cannot be written ({existing} is not writable)",
                           fix="pass --out with a folder you can write")
-    created = not out_dir.exists()
+    created = [p for p in (out_dir, *out_dir.absolute().parents) if not p.exists()]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -247,8 +247,8 @@ def claim_run_folder(out_dir: Path, spec: Any, *, resume: bool, overwrite: bool,
     try:
         lock = RunFolderLock.take(out_dir, command)
     except BaseException:
-        if created:
-            shutil.rmtree(out_dir, ignore_errors=True)
+        if created:  # the outermost folder made here, with what it holds (the lock file)
+            shutil.rmtree(created[-1], ignore_errors=True)
         raise
     folder = RunFolder(out_dir, resume, overwrite, lock, created)
     try:
