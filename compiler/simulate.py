@@ -66,10 +66,6 @@ class SimResult:
     flows: list[tuple[int, int, float, float]] = field(default_factory=list)  # (src, dst, start, end)
 
 
-def _group_of(ins: Instruction) -> str:
-    return getattr(ins, "group", "") or ""
-
-
 def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_per_node: int = 1,
                  timed: bool = False, trace_ranks: set[int] | None = None) -> SimResult:
     """Execute all streams with blocking semantics. Raises VerifyError naming the rank, the
@@ -152,7 +148,7 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
                 finish((rank, other), ins, start, dur)
                 ready.append(other)
                 continue
-            group_name = _group_of(ins)
+            group_name = getattr(ins, "group", "")
             if group_name:
                 members = groups.get(group_name)
                 if members is None:

@@ -431,10 +431,13 @@ class RankProgram:
         for ins in self.prologue:
             if due(ins):
                 yield ins
+        # The body runs once per step (~10^5 instructions in a window of a large plan): which of its
+        # instructions are checkpoints is found once, not at every iteration.
+        checkpoints = [isinstance(ins, Checkpoint) for ins in self.body]
         for k in self.iterations(steps):
-            for ins in self.body:
+            for ins, checkpoint in zip(self.body, checkpoints):
                 ins = shift(ins, k)
-                if due(ins):
+                if not checkpoint or checkpoint_due(ins.step, steps, every):  # type: ignore[attr-defined]
                     yield ins
         for ins in self.epilogue:
             ins = shift(ins, steps)
