@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue as queue_module
 import statistics
 import time
 from dataclasses import dataclass
@@ -534,65 +533,15 @@ def _collective_times(rank: int, world: int, sizes: list[int], repeats: int) -> 
     return out
 
 
-@dataclass(frozen=True)
-class _Failure:
-    rank: int
-    error: str
-
-
-def _worker(rank: int, world: int, port: int, measure: Callable[..., Any], args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    keep_freed_host_memory()  # as a CPU rank does
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = measure(rank, world, *args)
-        if rank == 0:
-            queue.put(result)
-    except Exception as exc:  # reported by the parent, with every other rank's error
-        queue.put(_Failure(rank, f"{type(exc).__name__}: {exc}".splitlines()[0]))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _spawn(world: int, measure: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> Any:
     """Run `measure(rank, world, *args)` on `world` local gloo processes; rank 0's result. A rank's
     error ends the measurement at once, naming every rank that failed and why."""
-    from graphrl.executors.launcher import free_port, rank_context
+    from graphrl.executors.local_world import WorldFailed, run_on_ranks
 
-    ctx = rank_context()  # forked from the server that already imported torch, as a run's ranks are
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, measure, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            try:
-                item = queue.get(timeout=0.5)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    what = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}" if dead else "timed out"
-                    raise RuntimeError(f"calibration on {world} local processes failed: {what}") from None
-                continue
-            if not isinstance(item, _Failure):
-                return item
-            failures = [item]
-            for p in procs:  # the others fail soon after (their peer is gone): collect them too
-                p.join(timeout=10)
-            while not queue.empty():
-                failures.append(queue.get())
-            detail = "; ".join(f"rank {f.rank}: {f.error}" for f in sorted(failures, key=lambda f: f.rank)
-                               if isinstance(f, _Failure))
-            raise RuntimeError(f"calibration on {world} local processes failed: {detail}")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        return run_on_ranks(world, measure, *args, timeout_s=timeout_s)[0]
+    except WorldFailed as exc:
+        raise RuntimeError(f"calibration on {world} local processes failed: {exc}") from None
 
 
 def _line_fit(times: dict[int, float]) -> tuple[float, float]:

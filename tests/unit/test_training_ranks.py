@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphrl.calibrate import _spawn
+from graphrl.executors.local_world import run_on_ranks
 from graphrl.executors import training
 from graphrl.executors import parallel
 from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy
@@ -223,7 +223,7 @@ def measure(rank: int, world: int) -> dict[str, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict[str, float]]:
-    return _spawn(2, measure, timeout_s=240)
+    return run_on_ranks(2, measure)[0]
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2 packed"])
