@@ -4,11 +4,13 @@ dtype and offload; frozen models as the executors shard them; a generator's weig
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 
 from graphrl.schemas.capabilities import generator_reads_trainer
+from graphrl.schemas.model import ModelDims
 from graphrl.schemas.sharding import staging_layers
 from graphrl.compiler import cost
 from graphrl.compiler.candidates import GenCfg, Problem, TrainCfg
@@ -39,17 +41,26 @@ def infer_state(p: Problem, role: Role, cfg: TrainCfg) -> cost.MemoryBreakdown:
     """A frozen model beside the trainer: split over tp like the trainer, its decoder layers sharded over
     the data-parallel ranks (ZeRO-3 inference), the embedding, final norm and head whole."""
     w = p.workload
-    local = max(1, math.ceil(w.responses / (cfg.dp * cfg.fsdp)))
-    micro = min(local, w.micro_batch) if w.micro_batch else local
-    mem = cost.inference_memory(role.dims, tp=cfg.tp, pp=cfg.pp, precision="bf16", batch=micro,
-                                context_len=w.seq_len, generator=False)
-    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
-    params, gathered = cost.weight_bytes(role.dims, dtype_bytes) / (cfg.tp * cfg.pp), mem.gathered
     d = cfg.dp * cfg.fsdp
+    local = max(1, math.ceil(w.responses / d))
+    micro = min(local, w.micro_batch) if w.micro_batch else local
+    return _frozen_state(role.dims, role.weight_bytes, cfg.tp, cfg.pp, d, micro, w.seq_len)
+
+
+# Cached: the trainer candidates of a search differ in sharding, recompute and offload far more often
+# than in the tp, pp and data-parallel size that a frozen model's memory depends on (405B: ten calls
+# per distinct answer). The answer is a frozen value of hashable arguments.
+@functools.lru_cache(maxsize=4096)
+def _frozen_state(dims: ModelDims, weight_bytes: int, tp: int, pp: int, d: int, micro: int,
+                  seq_len: int) -> cost.MemoryBreakdown:
+    mem = cost.inference_memory(dims, tp=tp, pp=pp, precision="bf16", batch=micro, context_len=seq_len,
+                                generator=False)
+    dtype_bytes = max(weight_bytes, cost.BF16_BYTES)  # a float32 frozen model holds 4 bytes a weight
+    params, gathered = cost.weight_bytes(dims, dtype_bytes) / (tp * pp), mem.gathered
     if d > 1:  # the decoder layers are sharded over d and gathered one (and the prefetched one) at a time;
         # the embedding, final norm and head stay whole (`executors.parallel.shard_frozen`)
-        layer = cost.layer_params(role.dims) / cfg.tp * dtype_bytes
-        layers = role.dims.num_layers / cfg.pp * layer
+        layer = cost.layer_params(dims) / tp * dtype_bytes
+        layers = dims.num_layers / pp * layer
         params, gathered = params - layers + layers / d + 2 * layer, 2 * layer
     return replace(mem, params=params, gathered=gathered)
 
