@@ -181,8 +181,7 @@ def simulated_estimate(s: Compilation, ctx: CompileContext, layout: Layout, dura
 def estimate_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """The predicted step time has one definition, the simulator's steady state of the chosen layout's
     own programs, and the preview's phases are that simulation's, so they add up to it. The baseline
-    beside it is simulated the same way on clusters the refinement simulates (the analytical estimate,
-    marked so, on larger ones)."""
+    beside it is simulated the same way, on every cluster."""
     placed = need(s.placement, "placement")
     chosen = simulated_estimate(s, ctx, placed.chosen, placed.durations)
     baseline = placed.baseline
