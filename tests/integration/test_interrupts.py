@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from graphrl.cli import main
 from graphrl.executors.outputs import checkpoint_problem, latest_checkpoint
 
 from run_processes import no_rank_processes_left
@@ -78,6 +80,12 @@ class Run:
         return "".join(self.lines)
 
 
+def in_process(*args: str) -> tuple[int, str]:
+    """A command that needs no signal of its own, run in this process (its ranks still are processes)."""
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
 def tiny(out: Path, *extra: str, job: str = "grpo_tiny.yaml") -> list[str]:
     return ["run", str(EXAMPLES / job), "--out", str(out), "-q", *extra]
 
@@ -114,11 +122,10 @@ def test_ctrl_c_in_a_step_stops_after_it_and_the_command_it_gives_continues_exac
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["runs"][-1]["outcome"] == "stopped" and record["runs"][-1]["last_step"] == 2
 
-    resumed = Run(*resume_command(stopped.stderr), "-q")
-    assert resumed.end() == 0, resumed.stderr
-    assert "resuming from" in resumed.stderr and "step_000002 at step 3" in resumed.stderr
-    whole = Run(*tiny(tmp_path / "whole", *job))
-    assert whole.end() == 0, whole.stderr
+    code, said = in_process(*resume_command(stopped.stderr), "-q")
+    assert code == 0 and "resuming from" in said and "step_000002 at step 3" in said, said
+    code, said = in_process(*tiny(tmp_path / "whole", *job))
+    assert code == 0, said
     keys = ("step", "reward_mean", "loss", "weight_version")
     rows = lambda out: [[json.loads(line)[k] for k in keys] for line in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert rows(tmp_path / "run") == rows(tmp_path / "whole")
@@ -141,8 +148,8 @@ def test_sigterm_to_the_launcher_alone_checkpoints_an_asynchronous_run(tmp_path:
     assert steps_of(out) == list(range(step + 1))
     meta = json.loads((out / "checkpoints" / ckpt / "meta.json").read_text())
     assert meta["inflight_steps"] == [step + 1]  # generated one step ahead, already received
-    resumed = Run(*resume_command(run.stderr)[:-1], "--steps", str(step + 3), "--resume", "-q")
-    assert resumed.end() == 0, resumed.stderr
+    code, said = in_process(*resume_command(run.stderr)[:-1], "--steps", str(step + 3), "--resume", "-q")
+    assert code == 0, said
     assert steps_of(out) == list(range(step + 3))
 
 
@@ -172,43 +179,41 @@ def test_ctrl_c_while_ranks_start_leaves_a_folder_the_same_command_starts_again(
     assert "ended the run before a step ended" in run.stderr and "starts the run again at step 0" in run.stderr
     assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr
     assert no_rank_processes_left(out) and not checkpoints(out)
-    again = Run(*tiny(out, "--steps", "2"))
-    assert again.end() == 0, again.stderr
+    code, said = in_process(*tiny(out, "--steps", "2"))
+    assert code == 0, said
     assert steps_of(out) == [0, 1]
 
 
-def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path: Path) -> None:
-    """After `kill -9` of `graphrl run` (the OOM killer), its ranks and their fork server trained on for
-    the rest of the run, writing into the folder. Now they end with it."""
+def test_one_writer_per_folder_and_a_killed_launcher_takes_its_ranks_with_it(tmp_path: Path) -> None:
+    """A second `graphrl run --resume` into a live run's folder was accepted (both wrote), and one with
+    --overwrite deleted the live run's files under it; after `kill -9` of `graphrl run` (the OOM killer) its
+    ranks and their fork server trained on, writing into the folder. Now the second run is refused while
+    the first lives, naming it; the first run's processes all end with it; and its lock, left behind by
+    the killed process, is taken over by the next run without a word."""
     out = tmp_path / "run"
-    run = Run(*tiny(out, "--steps", "400"))
-    run.wait_for(lambda: (out / "metrics.jsonl").exists() and steps_of(out), "first step")
-    run.proc.kill()
-    run.end()
+    first = Run(*tiny(out, "--steps", "400", "--set", "schedule.checkpoint_every=1"))
+    first.wait_for(lambda: latest_checkpoint(out) is not None, "first checkpoint")
+    for flag in ("--resume", "--overwrite"):
+        code, said = in_process(*tiny(out, "--steps", "400", flag))
+        assert code == 2, said
+        assert f"run folder {out} is in use" in said and f"pid {first.proc.pid}" in said
+    assert first.proc.poll() is None and (out / "plan.msgpack").exists()
+
+    first.proc.kill()
+    first.end()
+
     def group() -> list[str]:  # the ranks, the fork server, multiprocessing's resource tracker
-        return subprocess.run(["pgrep", "-g", str(run.proc.pid)], capture_output=True, text=True).stdout.split()
+        return subprocess.run(["pgrep", "-g", str(first.proc.pid)], capture_output=True, text=True).stdout.split()
 
     deadline = time.monotonic() + PATIENCE_S
     while group() or not no_rank_processes_left(out):
         assert time.monotonic() < deadline, f"processes of the run outlived their launcher: {group()}"
         time.sleep(0.1)
-
-
-def test_one_writer_per_run_folder(tmp_path: Path) -> None:
-    """A second `graphrl run --resume` into a live run's folder was accepted (both wrote), and one with
-    --overwrite deleted the live run's files under it. Both are refused while the first run lives, naming
-    it; the first run is untouched and stops normally."""
-    out = tmp_path / "run"
-    first = Run(*tiny(out, "--steps", "400"))
-    first.wait_for(lambda: (out / "metrics.jsonl").exists() and steps_of(out), "first step")
-    for flag in ("--resume", "--overwrite"):
-        second = Run(*tiny(out, "--steps", "400", flag))
-        assert second.end() == 2, second.stderr
-        assert f"run folder {out} is in use" in second.stderr and f"pid {first.proc.pid}" in second.stderr
-    assert first.proc.poll() is None and (out / "plan.msgpack").exists()
-    first.ctrl_c()
-    assert first.end() == 130, first.stderr
-    assert latest_checkpoint(out) is not None and not (out / "run.lock").exists()
+    assert (out / "run.lock").exists()  # nobody removed it: its holder was killed
+    done = steps_of(out)
+    code, said = in_process(*tiny(out, "--steps", str(len(done) + 1), "--resume"))
+    assert code == 0 and "resuming from" in said, said
+    assert not (out / "run.lock").exists()
 
 
 def test_a_torchrun_launch_stops_on_sigterm_and_the_same_script_continues(tmp_path: Path) -> None:
