@@ -84,13 +84,13 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
-    from graphrl.executors.executor import run_rank
-    from graphrl.executors.host_memory import keep_freed_host_memory
-    from graphrl.executors.outputs import load_checkpoint
-    from graphrl.executors.runtime import Runtime
-
     out = Path(out_dir)
     try:
+        from graphrl.executors.executor import run_rank
+        from graphrl.executors.host_memory import keep_freed_host_memory
+        from graphrl.executors.outputs import load_checkpoint
+        from graphrl.executors.runtime import Runtime
+
         torch.set_num_threads(threads)
         plan = load_plan(plan_path, check=False)  # the launcher checked it once, before any rank started
         assert plan.programs is not None
@@ -114,12 +114,11 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
 
 @dataclass
 class RunOutcome:
-    """How a local run ended: every step done, or stopped on a request (`stopped`: the signal)."""
+    """A local run that ended with every step done (a stopped or failed one raises instead)."""
 
     out_dir: Path
     steps_done: int
     wall_s: float
-    stopped: int = 0
 
 
 def _read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -169,8 +168,9 @@ def launch_local(plan: Plan, out_dir: Path, *, start_step: int = 0, resume_from:
                  on_stopping: Callable[[str], None] | None = None) -> RunOutcome:
     """Run every rank of `plan` as a local process; raise RunError naming the first rank that failed.
     The first Ctrl-C (SIGINT) or SIGTERM, to this process or its whole process group, asks every rank to
-    stop after the step it is in (`on_stopping` is told); the trainer ranks checkpoint that step and the
-    outcome says `stopped`. A second one ends every rank at once and raises `Interrupted`."""
+    stop after the step it is in (`on_stopping` is told); the trainer ranks checkpoint that step, and
+    `Interrupted` names the step, its checkpoint and the command that continues (`resume_hint`). A second
+    one ends every rank at once and raises `Interrupted` naming the newest intact checkpoint."""
     assert plan.programs is not None
     refuse_unrunnable_plan(plan)
     out_dir.mkdir(parents=True, exist_ok=True)
