@@ -2,8 +2,11 @@
 
     python benchmarks/bench_simulate.py
 
-Targets: simulating 100 steps of the 405B plan on 1024 ranks in under 10 s; compile + verify of that
-plan in under 15 s (2-core machine). Then, side by side for 8B / 70B / 405B: the chosen plan's
+Target: `graphrl simulate examples/llama3_405b.yaml` (compile, then the chosen programs, the other
+schedule and the baseline simulated; process start included) takes at most 5 s, the median of 3 runs
+after a warm-up (`cli_timing.py`, which bench_periodic shares). Beside it, without targets of their own:
+the in-process seconds of compiling the 405B plan for 100 steps and of simulating all 100 of its steps
+on 1024 ranks (instructions per second); then, side by side for 8B / 70B / 405B, the chosen plan's
 simulated seconds per step, the colocated-synchronous baseline's, and the ratio.
 """
 
@@ -16,6 +19,7 @@ from pathlib import Path
 
 os.environ.setdefault("GRAPHRL_CALIBRATION", "none")
 
+from cli_timing import SIMULATE_405B, timed_row  # noqa: E402
 from graphrl.compiler.compile import compile_graph  # noqa: E402
 from graphrl.compiler.pipeline import placed_programs  # noqa: E402
 from graphrl.compiler.schedule import ProgramSettings  # noqa: E402
@@ -26,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
-    ok = True
+    ok = timed_row(*SIMULATE_405B)
     job = load_job(ROOT / "examples" / "llama3_405b.yaml")
     cluster = job_cluster(job, None)
     t = time.perf_counter()
@@ -38,11 +42,9 @@ def main() -> int:
     t = time.perf_counter()
     run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True)
     sim_s = time.perf_counter() - t
-    print(f"405B on {cluster.num_devices} ranks, 100 steps, {instructions} instructions")
-    print(f"  compile + schedule + verify: {compile_s:6.2f} s (target < 15 s) {'PASS' if compile_s < 15 else 'FAIL'}")
-    print(f"  simulate:                    {sim_s:6.2f} s (target < 10 s) {'PASS' if sim_s < 10 else 'FAIL'}"
-          f"  ({instructions / sim_s:,.0f} instructions/s)")
-    ok &= compile_s < 15 and sim_s < 10
+    print(f"\n405B on {cluster.num_devices} ranks, 100 steps, {instructions} instructions, in process")
+    print(f"  compile + schedule + verify: {compile_s:6.2f} s")
+    print(f"  simulate all 100 steps:      {sim_s:6.2f} s  ({instructions / sim_s:,.0f} instructions/s)")
 
     print(f"\n{'example':<12} {'chosen s/step':>14} {'baseline s/step':>16} {'speed-up':>9}  {'sync':>9} {'async':>9}  chosen")
     for name in ("llama3_8b", "llama3_70b", "llama3_405b"):
