@@ -200,6 +200,7 @@ def steady_window(result: SimResult) -> tuple[float, float, int]:
 
 
 WAIT_PHASE = "wait"
+_PHASE_OF = {name: TRAITS[kind].phase for name, kind in INSTRUCTION_TYPES.items()}  # a span's kind -> its phase
 
 
 def phase_breakdown(result: SimResult) -> dict[str, float]:
@@ -211,7 +212,7 @@ def phase_breakdown(result: SimResult) -> dict[str, float]:
     for span in result.spans:
         overlap = min(span.end, end) - max(span.start, start)
         if overlap > 0:
-            by_rank[span.rank][TRAITS[INSTRUCTION_TYPES[span.category]].phase] += overlap
+            by_rank[span.rank][_PHASE_OF[span.category]] += overlap
     if not by_rank:
         return {WAIT_PHASE: result.step_time_s} if result.step_time_s > 0 else {}
     busiest = max(sorted(by_rank), key=lambda r: sum(by_rank[r].values()))
