@@ -8,10 +8,7 @@ the exported policy folder) runs in seconds. A rule that raises must be reported
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,15 +61,20 @@ run: {{samples_per_step: 3}}
     return job
 
 
-def _run(job: Path, out: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "graphrl.cli", "run", str(job), "--out", str(out), "-q"],
-                          capture_output=True, text=True, env=env, timeout=300)
+def _run(job: Path, out: Path) -> tuple[int, str]:
+    """`graphrl run JOB` from this process (its ranks are processes; `faulty_rewards` is on their path, as
+    this folder is on the test's): its exit code and what it said."""
+    from click.testing import CliRunner
+
+    from graphrl.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(job), "--out", str(out), "-q"])
+    return result.exit_code, result.output
 
 
 def test_file_dataset_job_runs_and_writes_readable_samples(tmp_path) -> None:
-    result = _run(_job(tmp_path, "{numeric_answer: 1.0, boxed_format: 0.5}"), tmp_path / "run")
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, output = _run(_job(tmp_path, "{numeric_answer: 1.0, boxed_format: 0.5}"), tmp_path / "run")
+    assert code == 0, output[-2000:]
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [(s["step"], s["index"]) for s in samples] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     first = samples[0]
@@ -84,9 +86,8 @@ def test_file_dataset_job_runs_and_writes_readable_samples(tmp_path) -> None:
 
 
 def test_a_raising_answer_rule_is_reported_with_its_rollout(tmp_path) -> None:
-    result = _run(_job(tmp_path, "{faulty_rewards:answer_rule_raising_on_twos: 1.0}"), tmp_path / "run")
-    assert result.returncode != 0
-    output = result.stderr + result.stdout
+    code, output = _run(_job(tmp_path, "{faulty_rewards:answer_rule_raising_on_twos: 1.0}"), tmp_path / "run")
+    assert code != 0
     match = re.search(r"answer_rule_raising_on_twos' raised ValueError: cannot compare this answer \(injected\) "
                       r"on response (\d+) \(response .*, answer '(\d+)'\) of step 0, rollout (\d+); "
                       r"prompt 'user (\d) (\d) assistant'", output)
@@ -99,9 +100,8 @@ def test_a_raising_answer_rule_is_reported_with_its_rollout(tmp_path) -> None:
 def test_an_answer_rule_returning_nan_fails_the_run_naming_node_rule_and_prompt(tmp_path) -> None:
     """A rule's NaN was summed into the reward and the run finished with NaN weights; it is now refused
     where it is made (exit 2), naming the reward node, the rule, the step, the rollout and its prompt."""
-    result = _run(_job(tmp_path, "{faulty_rewards:rule_returning_nan: 1.0}"), tmp_path / "run")
-    output = result.stderr + result.stdout
-    assert result.returncode == 2, output[-2000:]
+    code, output = _run(_job(tmp_path, "{faulty_rewards:rule_returning_nan: 1.0}"), tmp_path / "run")
+    assert code == 2, output[-2000:]
     assert re.search(r"reward node 'score': reward rule 'faulty_rewards:rule_returning_nan' returned nan, not a "
                      r"finite number on response 0 .* of step 0, rollout 0; prompt 'user \d \d assistant'", output), output[-2000:]
     assert "Traceback" not in output and not (tmp_path / "run" / "checkpoints").exists()

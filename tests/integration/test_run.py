@@ -133,6 +133,13 @@ def _run_subprocess(job: Path, out_dir: Path) -> tuple[int, str]:
     return proc.returncode, proc.stderr + proc.stdout
 
 
+def _run_in_process(job: Path, out_dir: Path) -> tuple[int, str]:
+    """The same run from this process (its ranks are still processes): what the CLI says and its exit code.
+    Only what a rank might print itself is not seen here; the subprocess test above checks that."""
+    result = CliRunner().invoke(main, ["run", str(job), "--out", str(out_dir), "-q"])
+    return result.exit_code, result.output
+
+
 def test_exception_in_a_rank_ends_the_run_naming_it(tmp_path):
     code, output = _run_subprocess(_faulty_job(tmp_path, "raise_on_rank1"), tmp_path / "run")
     assert code != 0
@@ -142,7 +149,7 @@ def test_exception_in_a_rank_ends_the_run_naming_it(tmp_path):
 
 
 def test_killed_rank_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
-    code, output = _run_subprocess(_faulty_job(tmp_path, "kill_rank1"), tmp_path / "run")
+    code, output = _run_in_process(_faulty_job(tmp_path, "kill_rank1"), tmp_path / "run")
     assert code != 0
     assert "rank 1" in output and "SIGKILL" in output
     assert no_rank_processes_left(tmp_path / "run")
@@ -231,7 +238,7 @@ def test_a_nan_reward_fails_the_run_and_leaves_no_nan_checkpoint(tmp_path):
 
     from graphrl.executors.outputs import latest_checkpoint, load_checkpoint
 
-    code, output = _run_subprocess(_faulty_job(tmp_path, "nan_at_step_two"), tmp_path / "run")
+    code, output = _run_in_process(_faulty_job(tmp_path, "nan_at_step_two"), tmp_path / "run")
     assert code == 2, output
     assert "reward node 'score'" in output and "faulty_rewards:nan_at_step_two" in output
     assert "step 2, rollout" in output and "prompt" in output and "Traceback" not in output
@@ -245,7 +252,7 @@ def test_a_nan_reward_fails_the_run_and_leaves_no_nan_checkpoint(tmp_path):
 
 
 def test_a_reward_function_returning_a_string_fails_naming_it(tmp_path):
-    code, output = _run_subprocess(_faulty_job(tmp_path, "returns_a_string"), tmp_path / "run")
+    code, output = _run_in_process(_faulty_job(tmp_path, "returns_a_string"), tmp_path / "run")
     assert code == 2, output
     assert "faulty_rewards:returns_a_string" in output and "returned a str" in output
     assert "AttributeError" not in output
