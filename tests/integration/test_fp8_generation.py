@@ -31,12 +31,14 @@ def run(out: Path, example: str, *args: str) -> tuple[str, list[dict], list[dict
 
 @pytest.mark.parametrize("example", ["grpo_tiny.yaml", "aipo_async_tiny.yaml"])
 def test_tiny_example_learns_with_an_fp8_generator(tmp_path, example):
-    output, rows, ledger = run(tmp_path, example)
+    from test_learning import LEARNED_BY  # as many steps as the float runs learn in
+
+    output, rows, ledger = run(tmp_path, example, "--steps", str(LEARNED_BY))
     assert "fp8]" in output  # the chosen plan's generator label, e.g. gen[tp1x dp2 fp8]
     rewards = [r["reward_mean"] for r in rows]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert first <= 0.3, first
-    # aipo_async_tiny with an fp8 generator levels off at 0.88-0.91 over its last 100 steps (measured)
+    # measured: 0.996 (grpo_tiny) and 0.994 (aipo_async_tiny) over steps 230-249; 0.85 leaves fp8 noise room
     assert last >= 0.85, last
     assert any(r["fp8_state_bytes"] > 0 for r in ledger)
 
