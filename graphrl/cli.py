@@ -305,7 +305,8 @@ def compile_cmd(job: str, cluster: str | None, show_plan: bool, explain: bool, f
 
     loaded = _override(load_with_sets(job, sets), steps=steps)
     if output is not None:  # before compiling: a refusal costs nothing
-        refuse_overwriting_inputs(output, _inputs(loaded, cluster), "-o")
+        refuse_overwriting_inputs(output, _inputs(loaded, cluster), "-o", output.with_name(
+            {"text": "plan.msgpack", "json": "plan.json", "html": "plan.html"}[fmt]))
     plan = compile_loaded(loaded, cluster, exhaustive=exhaustive)
     if output is not None and fmt == "text":
         save_plan(plan, output)
@@ -343,7 +344,7 @@ def calibrate(output: Path | None, no_p2p: bool, max_ranks: int, jobs: tuple[str
     target = output or calibration_path()
     if target is None:
         raise click.UsageError("GRAPHRL_CALIBRATION=none disables calibration files; pass -o FILE")
-    refuse_overwriting_inputs(target, [Path(job) for job in jobs], "-o")
+    refuse_overwriting_inputs(target, [Path(job) for job in jobs], "-o", target.with_name("cpu-local.json"))
     spec = run_calibration(report=lambda s: click.echo(s, err=True), with_p2p=not no_p2p, max_ranks=max_ranks,
                            jobs=jobs)
     write_calibration(spec, target)
@@ -451,12 +452,12 @@ def simulate(target: str, cluster: str | None, steps: int | None, trace: Path | 
         if sets:
             click.echo("warning: --set changes a job; it is ignored for a compiled plan file", err=True)
         if trace is not None:
-            refuse_overwriting_inputs(trace, [Path(target)], "--trace")
+            refuse_overwriting_inputs(trace, [Path(target)], "--trace", trace.with_name("trace.json"))
         plan, graph = _load_plan_or_compile(target, cluster, steps=steps), None
     else:
         loaded = _override(load_with_sets(target, sets), steps=steps)
         if trace is not None:
-            refuse_overwriting_inputs(trace, _inputs(loaded, cluster), "--trace")
+            refuse_overwriting_inputs(trace, _inputs(loaded, cluster), "--trace", trace.with_name("trace.json"))
         graph, plan = compile_loaded_graph(loaded, cluster)
     with progress(f"simulating {plan.job.name} on {plan.programs.num_ranks if plan.programs else 0} ranks") as stage:
         report = simulate_report(plan, compiled=graph, trace_path=trace, gantt=gantt and fmt == "text", progress=stage)
@@ -675,9 +676,9 @@ def launch(job: str, emit: str, cluster: str | None, steps: int | None, output: 
 
     loaded = _override(load_with_sets(job, sets), steps=steps)
     run_dir = run_dir or output / "run"
-    refuse_overwriting_inputs(output / "plan.msgpack", _inputs(loaded, cluster), "-o")
-    refuse_overwriting_inputs(output / ("launch.sh" if emit == "torchrun" else "launch.sbatch"),
-                              _inputs(loaded, cluster), "-o")
+    for written in ("plan.msgpack", "launch.sh" if emit == "torchrun" else "launch.sbatch"):
+        refuse_overwriting_inputs(output / written, _inputs(loaded, cluster), "-o",
+                                  output.with_name(output.name + "-launch"))
     # The folder as the run will find it: a folder in use, someone else's files where a run writes, or (to be
     # continued) another job's run are refused now, before the scheduler's queue.
     record = read_record(run_dir)
@@ -715,7 +716,8 @@ def report(run_dir: Path, fmt: str, output: Path | None, width: int, warmup_step
     target = output or (run_dir / "report.html" if fmt == "html" else None)
     if target is not None:  # what a run wrote is what the report reads
         reads = {run_dir / pattern.split("/")[0] for pattern in RUN_OUTPUTS}
-        refuse_overwriting_inputs(target, reads, "-o")
+        suffix = {"html": "html", "json": "json", "text": "txt"}[fmt]
+        refuse_overwriting_inputs(target, reads, "-o", run_dir.parent / f"{run_dir.name}-report.{suffix}")
     rep = build_report(run_dir, warmup_steps=warmup_steps)
     out = rep.render_html() if fmt == "html" else \
         (json.dumps(rep.data, indent=2) if fmt == "json" else rep.render_text(width=width)) + "\n"

@@ -28,17 +28,14 @@ def same_place(a: Path, b: Path) -> bool:
     return ra == rb or rb in ra.parents
 
 
-def refuse_overwriting_inputs(output: Path, inputs: Iterable[Path], option: str) -> None:
-    """Refuse `output` (given as `option`) when it is one of `inputs` or inside an input folder."""
+def refuse_overwriting_inputs(output: Path, inputs: Iterable[Path], option: str, instead: Path) -> None:
+    """Refuse `output` (written for `option`) when it is one of `inputs` or inside an input folder; the fix
+    suggests `instead`."""
     for source in inputs:
         if same_place(output, source):
             what = "its input" if output.resolve() == source.resolve() else "a folder it reads"
             raise OutputError(f"{option} {output} would write over {what} {source}",
-                              fix=f"pass {option} a path of its own, e.g. {_suggest(output)}")
-
-
-def _suggest(output: Path) -> Path:
-    return output.with_name(output.stem + ".out" + (output.suffix or ""))
+                              fix=f"pass {option} a path of its own, e.g. {instead}")
 
 
 def job_inputs(loaded: Any) -> list[Path]:
