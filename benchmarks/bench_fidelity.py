@@ -15,7 +15,7 @@
 Target: with calibration, every case's step time within 15% and every phase within 25% of measured
 (phases under 5% of the step are listed, not judged: their absolute error is below the step's noise).
 The final checkpoint is not a step phase (the run writes it after the last step) and is left out.
-Column `machine`: each run's speed after it against the calibration (`graphrl.calibrate.machine_speed`:
+Column `machine`: each run's speed after it against the calibration (`graphrl.calibration.machine_speed`:
 the calibration's largest matmul timed again; 0.90x is a machine 10% slower than when it was calibrated),
 reported beside the error, not used to correct it.
 """

@@ -34,7 +34,7 @@ os.environ["GRAPHRL_CALIBRATION"] = "none"
 
 import torch  # noqa: E402
 
-from graphrl.calibrate import calibrate  # noqa: E402
+from graphrl.calibration import calibrate  # noqa: E402
 from graphrl.compiler.compile import compile_graph, plan_of  # noqa: E402
 from graphrl.compiler.simulate import run_programs  # noqa: E402
 from graphrl.executors import algorithms as alg  # noqa: E402

@@ -338,7 +338,7 @@ def calibrate(output: Path | None, no_p2p: bool, max_ranks: int, jobs: tuple[str
     """Measure this machine (matmul, memory, the executor's model code, gloo point-to-point and collectives)
     for the cpu-local hardware preset. With JOB files, also every matmul shape of their models (in their
     dtype, with their threads per rank) and their models' own code at reduced depth."""
-    from graphrl.calibrate import calibrate as run_calibration, write_calibration
+    from graphrl.calibration import calibrate as run_calibration, write_calibration
     from graphrl.compiler.hardware import calibration_path
 
     target = output or calibration_path()
@@ -625,7 +625,7 @@ def _machine_speed_line(plan, out_dir: Path) -> str | None:  # noqa: ANN001
     """On a calibrated machine: one of the calibration's matmuls timed again now, written to the run folder
     (`graphrl report` shows it) and said, so that the prediction's error can be read beside how far the
     machine's own speed moved since it was calibrated. None on a preset (nothing measured to compare)."""
-    from graphrl.calibrate import machine_speed
+    from graphrl.calibration import machine_speed
     from graphrl.report import MACHINE_SPEED_FILE
 
     speed = machine_speed(plan.hardware)

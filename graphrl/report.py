@@ -358,7 +358,7 @@ def _clip(text: str, chars: int = SAMPLE_TEXT_CHARS, tail: bool = False) -> str:
 
 
 def read_machine_speed(path: Path, notes: list[str]) -> float | None:
-    """The machine's speed at the end of the run against its calibration (`graphrl.calibrate.machine_speed`'s
+    """The machine's speed at the end of the run against its calibration (`graphrl.calibration.machine_speed`'s
     ratio), where the run measured it; a file that cannot be read is a note, not an error."""
     if not path.exists():
         return None

@@ -13,21 +13,12 @@ import pytest
 import torch.distributed as dist
 from click.testing import CliRunner
 
-from graphrl.calibrate import (
-    COLLECTIVES,
-    HOST_FIELDS,
-    LONG_CALL_S,
-    Probe,
-    _phase_times,
-    _spawn,
-    collective_fits,
-    fit_collective,
-    fit_host_model,
-    job_probe_layers,
-    p2p_bandwidth_latency,
-    predicted_probe_s,
-    write_calibration,
-)
+from graphrl.calibration import harness, write_calibration
+from graphrl.calibration.collectives import COLLECTIVES, collective_fits, fit_collective, p2p_bandwidth_latency
+from graphrl.calibration.fit import HOST_FIELDS, fit_host_model, predicted_probe_s
+from graphrl.calibration.harness import LONG_CALL_S, phase_times, spawn
+from graphrl.calibration.job_probes import job_probe_layers
+from graphrl.calibration.model_probes import Probe
 from graphrl.cli import main
 from graphrl.compiler import timing
 from graphrl.compiler.hardware import resolve_hardware, this_machine
@@ -266,7 +257,7 @@ def test_a_failing_measurement_process_is_reported_not_waited_for():
     """A rank that failed used to leave the parent blocked on the result queue until its timeout (300 s);
     now the parent ends at once and names the failing rank with its error."""
     with pytest.raises(RuntimeError, match="rank 1: RuntimeError: boom"):
-        _spawn(2, _fail_on_rank_one, timeout_s=120)
+        spawn(2, _fail_on_rank_one, timeout_s=120)
 
 
 def test_a_job_model_is_probed_at_its_own_depth_up_to_six_layers():
@@ -282,10 +273,8 @@ def test_a_job_model_is_probed_at_its_own_depth_up_to_six_layers():
 def test_long_probe_calls_are_timed_only_in_rounds(monkeypatch):
     """A phase whose first call takes LONG_CALL_S or more skips its loop of back-to-back calls; a short one
     runs it. Every phase takes part in the rounds that call them in turn."""
-    import graphrl.calibrate as calibrate
-
     first = {"long": LONG_CALL_S * 2, "short": LONG_CALL_S / 10}
-    monkeypatch.setattr(calibrate, "_timed_once", lambda fn: first[fn()])
+    monkeypatch.setattr(harness, "timed_once", lambda fn: first[fn()])
     calls = {"long": 0, "short": 0}
 
     def phase(name):
@@ -294,7 +283,7 @@ def test_long_probe_calls_are_timed_only_in_rounds(monkeypatch):
             return name
         return call
 
-    times = _phase_times({"long": phase("long"), "short": phase("short")})
+    times = phase_times({"long": phase("long"), "short": phase("short")})
     assert set(times) == {"long", "short"} and all(t >= 0 for t in times.values())
     rounds = 9
     assert calls["long"] == 1 + rounds  # its warm-up, then the rounds only
@@ -307,7 +296,7 @@ def test_long_probe_calls_are_timed_only_in_rounds(monkeypatch):
 def test_machine_speed_times_the_calibrations_largest_matmul_again():
     """The calibration's matmul with the most work per call is timed again as it was measured; its ratio
     compares the calibrated seconds with now's (above 1: faster now). A preset measured nothing: None."""
-    from graphrl.calibrate import machine_speed
+    from graphrl.calibration import machine_speed
 
     assert machine_speed(HARDWARE_PRESETS["cpu-local"]) is None
     small = MatmulFit(k=64, n=64, dtype_bytes=4, threads=1, rows=(1, 8), seconds=(1e-6, 2e-6))
