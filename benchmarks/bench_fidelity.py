@@ -89,7 +89,8 @@ def predicted_phases(plan_path: Path) -> tuple[float, dict[str, float]]:
     """The plan's predicted seconds per step and per phase (from the simulated spans, as the report
     computes them)."""
     from graphrl.plan_io import load_plan
-    from graphrl.report import phase_of, seconds_per_kind, simulated_spans, steady_spans
+    from graphrl.report.compare import simulated_spans
+    from graphrl.report.spans import phase_of, seconds_per_kind, steady_spans
 
     plan = load_plan(plan_path, check=False)
     steady, kept = steady_spans(simulated_spans(plan), 1)

@@ -14,18 +14,11 @@ from graphrl.compiler.preview import human_seconds
 from graphrl.errors import PlanFileError, RunError
 from graphrl.plan_io import save_plan
 from graphrl.schemas.program import INSTRUCTION_TYPES, PHASES, TRAITS, CostKey
-from graphrl.report import (
-    TimedSpan,
-    attribute_steps,
-    build_report,
-    busy_fractions,
-    error_pct,
-    log_ticks,
-    nice_ticks,
-    seconds_per_kind,
-    simulated_spans,
-    steady_spans,
-)
+from graphrl.report import build_report, error_pct
+from graphrl.report.charts import log_ticks, nice_ticks
+from graphrl.report.compare import as_measured, simulated_spans
+from graphrl.report.records import TimedSpan
+from graphrl.report.spans import attribute_steps, busy_fractions, seconds_per_kind, steady_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -402,8 +395,6 @@ def test_simulated_spans_include_the_wait_for_peers_as_a_rank_measures_it() -> N
     """The simulator starts a receive (or a collective) when its peers are there; a rank times it from
     when it reaches it. `as_measured` moves each span's start back to the end of the rank's previous span,
     so a trainer's receive holds its wait for the generator, as in timeline.json."""
-    from graphrl.report import as_measured
-
     spans = [TimedSpan(0, "Generate step=0", "Generate", 0.0, 1.0),
              TimedSpan(1, "TrainStep step=0", "TrainStep", 0.0, 0.5),
              TimedSpan(1, "Recv step=1", "Recv", 1.5, 0.25),  # rank 1 idles from 0.5 until its peer sends
