@@ -27,8 +27,7 @@ from cli_timing import COMPILE_405B, SIMULATE_405B, graphrl_command, timed_row  
 from graphrl.compiler.compile import compile_graph, compile_job  # noqa: E402
 from graphrl.compiler.pipeline import placed_programs  # noqa: E402
 from graphrl.compiler.schedule import ProgramSettings  # noqa: E402
-from graphrl.compiler.simreport import SIMULATED_ITERATIONS  # noqa: E402
-from graphrl.compiler.simulate import run_programs  # noqa: E402
+from graphrl.compiler.simulate import predicted_step, run_programs  # noqa: E402
 from graphrl.loader import job_cluster, load_job  # noqa: E402
 from graphrl.plan_io import plan_to_bytes  # noqa: E402
 
@@ -104,11 +103,10 @@ def agreement_table() -> bool:
         graph = compile_graph(job, cluster, steps=steps)
         pl = graph.placement
         periodic = graph.programs
-        window = periodic.with_steps(periodic.window_steps(SIMULATED_ITERATIONS))
         unrolled = placed_programs(graph, ProgramSettings(steps, periodic=False))
-        sim = {}
-        for label, programs in (("periodic", window), ("unrolled", unrolled)):
-            sim[label] = run_programs(programs, hw=pl.hardware, devices_per_node=pl.devices_per_node, timed=True).step_time_s
+        sim = {"periodic": predicted_step(periodic, hw=pl.hardware, devices_per_node=pl.devices_per_node).step_time_s,
+               "unrolled": run_programs(unrolled, hw=pl.hardware, devices_per_node=pl.devices_per_node,
+                                        timed=True).step_time_s}
         error = abs(sim["periodic"] - sim["unrolled"]) / sim["unrolled"]
         good = error <= 0.005
         ok &= good

@@ -24,11 +24,11 @@ from graphrl.compiler.place import check_placement, place_job
 from graphrl.compiler.reshard import check_reshard, plan_reshard
 from graphrl.compiler.roles import effective_mode
 from graphrl.compiler.schedule import ProgramSettings, build_schedule, check_schedule
-from graphrl.compiler.simulate import phase_breakdown, run_programs
+from graphrl.compiler.simulate import STEADY_WINDOW_STEPS, phase_breakdown, predicted_step, run_programs
 from graphrl.compiler.state import Compilation, Verified, need
 from graphrl.compiler.typecheck import typecheck
 from graphrl.compiler.verify import verify_programs
-from graphrl.compiler.weight_sync import check_weight_sync, plan_policy_sync
+from graphrl.compiler.weight_sync import check_weight_sync, plan_policy_sync, with_sync_timed
 
 # Steps of the programs the placement refinement simulates per candidate (enough for an asynchronous
 # pipeline to reach its steady state).
@@ -85,9 +85,11 @@ def _check_weight_sync(s: Compilation) -> list[str]:
 
 @compiler_pass("weight_sync", requires=("placement",), ensures=("weight_sync",), spec=_check_weight_sync)
 def weight_sync_pass(s: Compilation, ctx: CompileContext) -> Compilation:
-    """How each new policy version reaches the generator: DDMA copy or in-place reshard."""
+    """How each new policy version reaches the generator: DDMA copy or in-place reshard; the layout's
+    operation then shows the planned sync's cost (the search timed it from the layout alone)."""
     placed = need(s.placement, "placement")
-    return replace(s, weight_sync=plan_policy_sync(placed.shape, placed.chosen, placed.durations))
+    sync = plan_policy_sync(placed.shape, placed.chosen, placed.durations)
+    return replace(s, weight_sync=sync, placement=replace(placed, chosen=with_sync_timed(placed.chosen, sync)))
 
 
 @compiler_pass("schedule", requires=("placement", "offload", "reshard", "weight_sync"), ensures=("schedule",),
@@ -137,15 +139,11 @@ def placed_programs(s: Compilation, settings: ProgramSettings, *, baseline: bool
     return programs_on(s, CompileContext(s.job), layout, durations, settings)
 
 
-def _simulated(layout: Layout, seconds: float) -> Layout:
-    estimate = layout.estimate.model_copy(update={"step_time_s": seconds, "method": "simulated"})
-    return layout.model_copy(update={"estimate": estimate})
-
-
 @compiler_pass("refine_placement", requires=("placement",), ensures=("placement",))
 def refine_placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """On a small cluster, choose among the best candidates by simulating their programs (the simulator
-    sees queueing and pipelining that the analytical estimate does not)."""
+    sees queueing and pipelining that the analytical estimate does not). Only the choice: the chosen
+    layout's predicted step time is the estimate pass's."""
     placed = need(s.placement, "placement")
     if not placed.contenders:
         return s
@@ -154,39 +152,46 @@ def refine_placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
         return run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node,
                             timed=True).step_time_s
 
-    scored = [(step_time(c.layout, c.durations), c.layout.label, c) for c in placed.contenders]
-    seconds, _, best = min(scored, key=lambda x: (x[0], x[1]))
-    baseline = placed.baseline
-    if baseline is not None and placed.baseline_durations is not None:
-        baseline = _simulated(baseline, step_time(baseline, placed.baseline_durations))
-    return replace(s, placement=replace(placed, ranking="simulated", chosen=_simulated(best.layout, seconds),
-                                        durations=best.durations, baseline=baseline, contenders=()))
+    _, _, best = min(((step_time(c.layout, c.durations), c.layout.label, c) for c in placed.contenders),
+                     key=lambda x: (x[0], x[1]))
+    return replace(s, placement=replace(placed, ranking="simulated", chosen=best.layout, durations=best.durations,
+                                        contenders=()))
 
 
-def simulated_estimate(s: Compilation, ctx: CompileContext, layout: Layout, durations: Mapping[CostKey, float]
-                       ) -> Layout:
-    """`layout` with its estimate simulated: the steady-state seconds per step of its programs over
-    `SIMULATE_RANKING_STEPS` steps, and the phases of the busiest rank's step (`phase_breakdown`), which
-    add up to it."""
+def _estimated(layout: Layout, programs: Programs, s: Compilation) -> Layout:
+    """`layout` with its one predicted step time: the simulator's steady state of `programs` over the one
+    window (`predicted_step`), and the phases of the busiest rank's step (`phase_breakdown`), which add
+    up to it."""
     placed = need(s.placement, "placement")
-    programs = programs_on(s, ctx, layout, durations, RANKING_SETTINGS)
-    result = run_programs(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node, timed=True,
-                          trace_ranks=set(range(len(programs.streams))))
+    result = predicted_step(programs, hw=placed.hardware, devices_per_node=placed.devices_per_node,
+                            trace_ranks=set(range(programs.num_ranks)))
     estimate = layout.estimate.model_copy(update={"step_time_s": result.step_time_s, "method": "simulated",
                                                   "phases": phase_breakdown(result)})
     return layout.model_copy(update={"estimate": estimate})
 
 
-@compiler_pass("estimate", requires=("placement",), ensures=("placement",))
-def estimate_pass(s: Compilation, ctx: CompileContext) -> Compilation:
-    """The predicted step time has one definition, the simulator's steady state of the chosen layout's
-    own programs, and the preview's phases are that simulation's, so they add up to it. The baseline
-    beside it is simulated the same way, on every cluster."""
+def baseline_programs(s: Compilation, ctx: CompileContext, steps: int) -> Programs | None:
+    """The baseline layout's programs (colocated, synchronous) for the first `steps` steps of the run, written
+    out whole; None without a baseline."""
     placed = need(s.placement, "placement")
-    chosen = simulated_estimate(s, ctx, placed.chosen, placed.durations)
+    if placed.baseline is None or placed.baseline_durations is None:
+        return None
+    return programs_on(s, ctx, placed.baseline, placed.baseline_durations,
+                       ProgramSettings(steps=steps, mode="sync", periodic=False))
+
+
+@compiler_pass("estimate", requires=("placement", "programs"), ensures=("placement",))
+def estimate_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """The plan's one predicted step time: the simulator's steady state of the chosen layout's own programs
+    (the ones the plan stores and the ranks run) over the one window, with the preview's phases from the
+    same simulation. The baseline beside it is its own programs' over the same window, on every cluster."""
+    placed = need(s.placement, "placement")
+    programs = need(s.programs, "programs")
+    chosen = _estimated(placed.chosen, programs, s)
     baseline = placed.baseline
-    if baseline is not None and placed.baseline_durations is not None:
-        baseline = simulated_estimate(s, ctx, baseline, placed.baseline_durations)
+    base_programs = baseline_programs(s, ctx, min(programs.steps, STEADY_WINDOW_STEPS))
+    if baseline is not None and base_programs is not None:
+        baseline = _estimated(baseline, base_programs, s)
     return replace(s, placement=replace(placed, chosen=chosen, baseline=baseline))
 
 
@@ -210,8 +215,8 @@ FRONT: tuple[Pass, ...] = (
 PIPELINE: tuple[Pass, ...] = FRONT + (
     placement_pass,   # meshes and layouts per role; drops what does not fit; ranks by step time
     refine_placement_pass,  # small clusters: re-rank the best candidates by simulating PROGRAM_PASSES' programs
-    estimate_pass,    # the chosen layout's step time and phases: the simulator's steady state of its programs
     *PROGRAM_PASSES,  # offload, reshard, weight_sync, schedule, lower (above)
+    estimate_pass,    # the plan's one step time and its phases: the simulator's steady state of those programs
     verify_pass,      # no deadlock, memory fits at every instruction, staleness bound holds
 )
 

@@ -227,13 +227,8 @@ def engine_reload_time(p: Problem, gen: GenCfg) -> float:
     role = p.generator
     if role is None or p.engine_of(role.name) == "native":
         return 0.0
-    dtype_bytes = max(role.weight_bytes, cost.BF16_BYTES)
-    reload = timing.engine_reload_seconds(role.dims, p.hw, gen.tp, dtype_bytes)
-    if gen.tp == 1:
-        return reload
-    return reload + timing.chunked_collective_time("all_gather", cost.weight_bytes(role.dims, dtype_bytes),
-                                                   cost.param_tensor_count(role.dims), gen.tp, p.hw,
-                                                   p.tp_group_spans(gen.tp))
+    return timing.engine_refit_seconds(role.dims, p.hw, gen.tp, max(role.weight_bytes, cost.BF16_BYTES),
+                                       p.tp_group_spans(gen.tp))
 
 
 def reshard_in_place_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:

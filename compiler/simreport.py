@@ -2,9 +2,10 @@
 scheduled `sync` and `async` and the colocated-synchronous baseline.
 
 Every figure comes from simulating per-rank programs (graphrl.compiler.simulate). A plan file is
-simulated exactly as it is, never recompiled; its programs are periodic, so a window of the run (every
-prologue, `SIMULATED_ITERATIONS` body iterations, every epilogue) gives the steady-state seconds per
-step, and the whole run's time is that window's plus the remaining iterations at the steady rate.
+simulated exactly as it is, never recompiled; its programs are periodic, so the one window of the run
+(`predicted_step`) gives the steady-state seconds per step, the same figure the plan's estimate holds,
+and the whole run's time is that window's plus the remaining steps at the steady rate. The baseline's is
+the plan's own estimate, made the same way.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from graphrl.schemas.program import Programs
 
 from graphrl.compiler.pipeline import placed_programs
 from graphrl.compiler.schedule import ProgramSettings
-from graphrl.compiler.state import Compilation, need
+from graphrl.compiler.state import Compilation
 from graphrl.compiler.preview import human_seconds
-from graphrl.compiler.simulate import SimResult, run_programs, text_gantt, write_chrome_trace
+from graphrl.compiler.simulate import SimResult, predicted_step, text_gantt, window_steps, write_chrome_trace
 
 TRACE_ALL_RANKS_UP_TO = 64
-SIMULATED_ITERATIONS = 16
 
 
 @dataclass
@@ -42,11 +42,10 @@ def _representatives(plan: Plan) -> dict[int, str]:
 
 
 def simulate_window(programs: Programs, plan: Plan, trace_ranks: set[int] | None = None) -> tuple[SimResult, float]:
-    """The simulated window of a run and the predicted seconds of the whole run."""
-    window = programs.with_steps(programs.window_steps(SIMULATED_ITERATIONS))
-    result = run_programs(window, hw=plan.hardware, devices_per_node=plan.cluster.devices_per_node, timed=True,
-                          trace_ranks=trace_ranks)
-    return result, result.makespan_s + (programs.steps - window.steps) * result.step_time_s
+    """The simulated window of a run (`predicted_step`) and the predicted seconds of the whole run."""
+    result = predicted_step(programs, hw=plan.hardware, devices_per_node=plan.cluster.devices_per_node,
+                            trace_ranks=trace_ranks)
+    return result, result.makespan_s + (programs.steps - window_steps(programs)) * result.step_time_s
 
 
 def simulate_report(plan: Plan, *, compiled: Compilation | None = None, trace_path: Path | None = None,
@@ -71,18 +70,14 @@ def simulate_report(plan: Plan, *, compiled: Compilation | None = None, trace_pa
     chosen, run_s = simulate_window(programs, plan, trace_ranks if (trace_path or gantt) else None)
     sync_s, async_s, baseline_s = chosen.step_time_s, None, None
     if compiled is not None:
-        placed = need(compiled.placement, "placement")
         if layout.strategy == "disaggregated":
             # The chosen programs already run under the job's own schedule; build only the other one.
             other = "sync" if plan.job.schedule.mode == "async" else "async"
             progress(f"the same placement, {other}")
             other_s = step_time(placed_programs(compiled, ProgramSettings(steps, mode=other)))
             sync_s, async_s = (other_s, chosen.step_time_s) if other == "sync" else (chosen.step_time_s, other_s)
-        if placed.baseline is not None:
-            progress("the baseline layout")
-            baseline_s = step_time(placed_programs(compiled, ProgramSettings(steps, mode="sync"), baseline=True))
-    elif plan.baseline is not None:
-        baseline_s = plan.baseline.estimate.step_time_s  # a plan file holds the baseline's estimate, not its programs
+    if plan.baseline is not None:  # the plan's baseline estimate is its programs' steady state already
+        baseline_s = plan.baseline.estimate.step_time_s
     busy = {}
     for mesh in layout.meshes:
         fractions = [chosen.busy_fraction[r] for r in mesh.devices]
@@ -90,8 +85,7 @@ def simulate_report(plan: Plan, *, compiled: Compilation | None = None, trace_pa
     data = {
         "job": plan.job.name, "cluster": plan.cluster.name, "steps": steps, "strategy": layout.strategy,
         "label": layout.label, "mode": layout.estimate.mode,
-        "step_time_s": chosen.step_time_s, "makespan_s": run_s, "simulated_steps": chosen_window_steps(programs),
-        "analytical_step_time_s": plan.chosen.estimate.step_time_s if plan.chosen.estimate.method == "analytical" else None,
+        "step_time_s": chosen.step_time_s, "makespan_s": run_s, "simulated_steps": window_steps(programs),
         "baseline": None if baseline_s is None else {"label": plan.baseline.label, "step_time_s": baseline_s},
         "speedup": None if baseline_s is None else baseline_s / chosen.step_time_s,
         "sync_step_time_s": sync_s, "async_step_time_s": async_s,
@@ -99,11 +93,10 @@ def simulate_report(plan: Plan, *, compiled: Compilation | None = None, trace_pa
         "busy_fraction_per_rank": chosen.busy_fraction if n <= TRACE_ALL_RANKS_UP_TO else None,
     }
     lines = [f"job {plan.job.name} on {plan.cluster.name} ({n} devices), {steps} steps: "
-             f"{chosen_window_steps(programs)} simulated, whole run {human_seconds(run_s)}",
+             f"{window_steps(programs)} simulated, whole run {human_seconds(run_s)}",
              f"chosen:   {layout.label} [{layout.estimate.mode}]  {human_seconds(chosen.step_time_s)}/step"]
     if baseline_s is not None:
-        source = "" if compiled is not None else f" ({plan.baseline.estimate.method} estimate in the plan)"
-        lines.append(f"baseline: {plan.baseline.label} [sync]{source}  {human_seconds(baseline_s)}/step   "
+        lines.append(f"baseline: {plan.baseline.label} [sync]  {human_seconds(baseline_s)}/step   "
                      f"speed-up {baseline_s / chosen.step_time_s:.2f}x")
     if compiled is not None:
         lines.append(f"same placement, sync:  {human_seconds(sync_s)}/step" +
@@ -118,6 +111,3 @@ def simulate_report(plan: Plan, *, compiled: Compilation | None = None, trace_pa
         lines.append(text_gantt(chosen, sorted(names), names=names))
     return SimReport(data, "\n".join(lines))
 
-
-def chosen_window_steps(programs: Programs) -> int:
-    return programs.window_steps(SIMULATED_ITERATIONS)

@@ -178,25 +178,43 @@ def run_programs(programs: Programs, *, hw: HardwareSpec | None = None, devices_
         raise _deadlock(programs, pc, unfinished, waiting_at, pending_p2p)
     makespan = max(clock) if clock else 0.0
     done = [step_done[k] for k in sorted(step_done)]
-    if len(done) >= 4:
-        k0 = len(done) // 2
-        step_time = (done[-1] - done[k0]) / (len(done) - 1 - k0)
-    elif done:
-        step_time = done[-1] / len(done)
-    else:
-        step_time = makespan / max(programs.steps, 1)
+    start, end, steps = _steady(done, makespan, programs.steps)
     busy_fraction = [b / makespan if makespan > 0 else 0.0 for b in busy]
-    return SimResult(makespan, step_time, done, busy_fraction, spans, flows)
+    return SimResult(makespan, (end - start) / steps, done, busy_fraction, spans, flows)
 
 
-def steady_window(result: SimResult) -> tuple[float, float, int]:
-    """(start, end, steps) of the window `step_time_s` is measured over: from the middle step's completion
-    to the last one's, or the whole run when it has fewer than four steps."""
-    done = result.step_done_s
+def _steady(done: list[float], makespan: float, run_steps: int) -> tuple[float, float, int]:
+    """(start, end, steps) of the steady part of a simulated run whose steps completed at `done`: from the
+    middle step's completion to the last one's, or the whole run when it has fewer than four steps."""
     if len(done) >= 4:
         k0 = len(done) // 2
         return done[k0], done[-1], len(done) - 1 - k0
-    return 0.0, (done[-1] if done else result.makespan_s), max(len(done), 1)
+    return 0.0, (done[-1] if done else makespan), max(len(done) if done else run_steps, 1)
+
+
+def steady_window(result: SimResult) -> tuple[float, float, int]:
+    """(start, end, steps) of the window `step_time_s` was measured over (`_steady`)."""
+    return _steady(result.step_done_s, result.makespan_s, len(result.step_done_s))
+
+
+# The one window a plan's predicted step time is measured over. A plan shows one predicted step time
+# (`graphrl compile --plan`, `graphrl simulate`, the line `graphrl run` prints, `graphrl report`): the
+# simulator's steady state (`_steady`) of the plan's own programs over their first STEADY_WINDOW_STEPS
+# steps (all of a shorter run; more where a rank's prologue and epilogue need them).
+STEADY_WINDOW_STEPS = 8
+
+
+def window_steps(programs: Programs) -> int:
+    """Steps of the window the predicted step time of `programs` is measured over."""
+    return min(programs.steps, max([STEADY_WINDOW_STEPS] + [r.min_steps() for r in programs.ranks]))
+
+
+def predicted_step(programs: Programs, *, hw: HardwareSpec, devices_per_node: int,
+                   trace_ranks: set[int] | None = None) -> SimResult:
+    """The simulated window (`window_steps`) of a run of `programs`; its `step_time_s` is the predicted
+    seconds per step. Trace every rank for `phase_breakdown`."""
+    window = programs if window_steps(programs) == programs.steps else programs.with_steps(window_steps(programs))
+    return run_programs(window, hw=hw, devices_per_node=devices_per_node, timed=True, trace_ranks=trace_ranks)
 
 
 WAIT_PHASE = "wait"

@@ -387,6 +387,18 @@ def engine_reload_seconds(dims: ModelDims, hw: HardwareSpec, tp: int, dtype_byte
             + copied / (hw.memory_bandwidth * hw.memory_efficiency))
 
 
+def engine_refit_seconds(dims: ModelDims, hw: HardwareSpec, tp: int, dtype_bytes: float, tp_spans_nodes: bool) -> float:
+    """Seconds for a serving engine to take a sync's weights: a tensor-parallel replica first gathers its
+    shards whole on its first rank, one all-gather per tensor (its engine's workers cut their own shards),
+    then the engine reloads them (`engine_reload_seconds`). One formula for the search, the plan's
+    operations and the programs."""
+    reload = engine_reload_seconds(dims, hw, tp, dtype_bytes)
+    if tp == 1:
+        return reload
+    return reload + chunked_collective_time("all_gather", weight_bytes(dims, dtype_bytes), param_tensor_count(dims),
+                                            tp, hw, tp_spans_nodes)
+
+
 def engine_time_factor(hw: HardwareSpec, engine: str) -> float:
     """How much longer (< 1: shorter) a generator on `engine` takes than the native sampler the roofline
     models: the ratio `graphrl calibrate` measured on this machine, or 1 where it measured none (the

@@ -61,9 +61,20 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
     record, seconds = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
                                   precision)
     if placement.engine != "native":  # the engine then takes the delivered weights into its own
-        seconds += timing.engine_reload_seconds(gen_role.dims, shape.hardware, placement.tp,
-                                                max(gen_role.weight_bytes, BF16_BYTES))
+        seconds += timing.engine_refit_seconds(gen_role.dims, shape.hardware, placement.tp,
+                                               max(gen_role.weight_bytes, BF16_BYTES),
+                                               placement.tp > shape.devices_per_node)
     return WeightSyncPlan("ddma", transfer, seconds, record)
+
+
+def with_sync_timed(layout: Layout, sync: WeightSyncPlan) -> Layout:
+    """`layout` whose weight-sync operation (the preview's) carries the sync's own seconds and bytes: the
+    figures the programs are timed with, so a plan shows one cost for one sync."""
+    if sync.record is None:
+        return layout
+    operations = [op.model_copy(update={"time_s": sync.seconds, "num_bytes": sync.record.summary.total_bytes})
+                  if op.kind == "weight_sync" else op for op in layout.operations]
+    return layout.model_copy(update={"operations": operations})
 
 
 @functools.lru_cache(maxsize=16)
@@ -120,4 +131,4 @@ def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> 
     return problems
 
 
-__all__ = ["WeightSyncPlan", "check_weight_sync", "ddma_record", "plan_policy_sync"]
+__all__ = ["WeightSyncPlan", "check_weight_sync", "ddma_record", "plan_policy_sync", "with_sync_timed"]

@@ -33,7 +33,7 @@ def _round(obj):
 
 def preview(name: str) -> dict:
     job = load_job(ROOT / "examples" / name)
-    data = compile_job(job, job_cluster(job, None), steps=4).preview_dict()
+    data = compile_job(job, job_cluster(job, None), steps=16).preview_dict()  # the window holds a steady state
     data["candidates"] = data["candidates"][:20]  # the head of the ranking is what matters
     return _round(data)
 

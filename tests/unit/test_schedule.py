@@ -194,6 +194,8 @@ def test_programs_match_golden(name, mode):
     out = CliRunner().invoke(main, ["inspect", str(EXAMPLES / name), "--all-ranks", "--limit", "0"])
     assert out.exit_code == 0, out.output
     path = GOLDEN / f"{Path(name).stem}.{mode}.programs.txt"
-    if os.environ.get("GRAPHRL_UPDATE_GOLDEN") or not path.exists():
+    if os.environ.get("GRAPHRL_UPDATE_GOLDEN"):
         path.write_text(out.output)
+    # A lost golden file fails (it used to be written anew and pass, hiding the loss).
+    assert path.exists(), f"{path} is missing; write it with GRAPHRL_UPDATE_GOLDEN=1 and review it"
     assert out.output == path.read_text()

@@ -33,8 +33,8 @@ def _compile(name: str, passes=PIPELINE, **options):  # noqa: ANN001, ANN202
 
 
 def test_the_pipeline_is_the_designs_passes() -> None:
-    assert [p.name for p in PIPELINE] == ["typecheck", "placement", "refine_placement", "estimate", "offload",
-                                          "reshard", "weight_sync", "schedule", "lower", "verify"]
+    assert [p.name for p in PIPELINE] == ["typecheck", "placement", "refine_placement", "offload", "reshard",
+                                          "weight_sync", "schedule", "lower", "estimate", "verify"]
     # Every pass after placement reads only what the passes before it ensured.
     ensured: set[str] = set()
     for p in PIPELINE:
