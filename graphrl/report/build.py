@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from graphrl.errors import RunError
-from graphrl.report.compare import error_pct, seconds_per_phase, simulated_spans
+from graphrl.report.compare import error_pct, median_step_time, seconds_per_phase, simulated_spans
 from graphrl.report.formatting import clip
 from graphrl.report.page import render_html
 from graphrl.report.records import (
@@ -66,8 +66,8 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> Report:
         measured_s = metric_value(row, "step_time_s")
         step_rows.append({"step": row["step"], "measured_s": measured_s, "predicted_s": predicted_step_s,
                           "error_pct": error_pct(predicted_step_s, measured_s), "warmup": row["step"] in warm})
-    steady = [r for r in step_rows if not r["warmup"]]
-    measured_step_s = _mean(r["measured_s"] for r in steady)
+    # the measured step time is one figure everywhere: the median after warm-up, as `graphrl run` says it
+    measured_step_s, steady_steps = median_step_time(metrics, warmup_steps)
     steady_metrics = [row for row in metrics if row["step"] not in warm]
 
     # Time per instruction kind.
@@ -104,7 +104,7 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> Report:
     first, last = metrics[0], metrics[-1]
     summary = {
         "steps": len(metrics), "first_step": first["step"], "last_step": last["step"],
-        "steady_steps": len(steady),
+        "steady_steps": len(steady_steps),
         "reward_first": metric_value(first, "reward_mean"), "reward_last": metric_value(last, "reward_mean"),
         "reward_best": max((v for v in (metric_value(r, "reward_mean") for r in metrics) if v is not None), default=None),
         "loss_last": metric_value(last, "loss"), "kl_last": metric_value(last, "kl"),

@@ -12,17 +12,14 @@ from graphrl.report.spans import phase_of
 from graphrl.schemas.plan import Plan
 from graphrl.schemas.program import PHASES
 
-# Steps of a long run's programs simulated for the predicted side of a report (a steady state, not the run).
-REPORT_SIMULATED_ITERATIONS = 64
-
-
 def simulated_spans(plan: Plan) -> list[TimedSpan]:
-    """Every rank's instruction spans as the simulator predicts them (the plan's own programs)."""
-    from graphrl.compiler.simulate import run_programs
+    """Every rank's instruction spans as the simulator predicts them: the plan's own programs over the one
+    window its predicted step time is measured over (`predicted_step`)."""
+    from graphrl.compiler.simulate import predicted_step
 
-    programs = plan.programs.with_steps(plan.programs.window_steps(REPORT_SIMULATED_ITERATIONS))
-    result = run_programs(programs, hw=plan.hardware, devices_per_node=plan.cluster.devices_per_node, timed=True,
-                          trace_ranks=set(range(programs.num_ranks)))
+    assert plan.programs is not None
+    result = predicted_step(plan.programs, hw=plan.hardware, devices_per_node=plan.cluster.devices_per_node,
+                            trace_ranks=set(range(plan.programs.num_ranks)))
     return as_measured([TimedSpan(s.rank, s.name, s.category, s.start, s.end - s.start) for s in result.spans])
 
 

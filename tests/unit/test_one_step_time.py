@@ -61,3 +61,16 @@ def test_the_preview_shows_the_weight_sync_the_programs_are_charged(example: str
     transfer, sync = record
     assert op.time_s == plan.programs.durations[CostKey("WeightSync", transfer)]
     assert op.num_bytes == sync.summary.total_bytes
+
+
+def test_the_measured_step_time_is_the_median_after_warm_up_in_run_and_report(tmp_path: Path) -> None:
+    """`graphrl run` said the median and `graphrl report` the mean: one slow step (a checkpoint) moved the
+    report's figure alone. Both take the median after the warm-up step now, from one function."""
+    from graphrl.report import median_step_time
+
+    rows = [{"step": s, "reward_mean": 0.1, "loss": 1.0, "kl": 0.0, "step_time_s": t, "tokens_per_s": 1.0,
+             "weight_version": s} for s, t in enumerate([5.0, 1.0, 1.0, 10.0])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = json.loads(CliRunner().invoke(main, ["report", str(tmp_path), "--format", "json"]).output)
+    assert report["summary"]["measured_step_time_s"] == 1.0 == median_step_time(rows, 1)[0]
+    assert report["summary"]["steady_steps"] == 3
