@@ -554,6 +554,8 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         click.echo(f"running {loaded.spec.name}: {plan.chosen.label} [{plan.chosen.estimate.mode}] on "
                    f"{plan.cluster.num_devices} ranks, {total} steps -> {out_dir}", err=True)
         click.echo(_predicted_line(plan), err=True)
+        if (note := _uncalibrated_note(plan, job)) is not None:
+            click.echo(note, err=True)
         last: dict[str, Any] = {}
         launch = functools.partial(launch_local, plan, out_dir, start_step=start.step, resume_from=start.checkpoint,
                                    profile=settings, resume_hint=_resume_hint(job, out_dir, click.get_current_context().params),
@@ -601,6 +603,16 @@ def _predicted_line(plan) -> str:  # noqa: ANN001
     estimate = plan.chosen.estimate
     how = "simulated steady state" if estimate.method == "simulated" else "analytical estimate"
     return f"predicted {estimate.step_time_s:.3g} s/step ({how}, hardware {plan.hardware.name})"
+
+
+def _uncalibrated_note(plan, job: str) -> str | None:  # noqa: ANN001
+    """Where the prediction comes from a CPU preset's defaults rather than this machine's own figures: how
+    far off that can be, and the one command that fixes it."""
+    if plan.hardware.name != "cpu-local" or plan.hardware.machine is not None:
+        return None
+    return ("note: this machine is not calibrated, so the prediction uses the cpu-local preset's figures, which "
+            f"can be off several-fold here (5x has been seen); `graphrl calibrate {job}` measures this machine at "
+            "this job's sizes in a few minutes, and every later prediction uses it")
 
 
 def _measured_line(plan, metrics_path: Path, start_step: int) -> str | None:  # noqa: ANN001

@@ -28,6 +28,8 @@ def test_run_prints_the_predicted_and_the_measured_step_time(tmp_path):
     predicted = plan.chosen.estimate.step_time_s
     assert (f"predicted {predicted:.3g} s/step (simulated steady state, hardware {plan.hardware.name})"
             in out.stderr.splitlines())
+    # the tests run uncalibrated (conftest): the run says its figure is the preset's, and what fixes that
+    assert "note: this machine is not calibrated" in out.stderr and "`graphrl calibrate " in out.stderr
 
     # Steps 1 and 2: step 0, which also builds the models and warms up, is left out.
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
