@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from graphrl.errors import GraphRLError
 from graphrl.ir import build_graph
-from graphrl.loader import LoadedJob
 from graphrl.schemas.capabilities import Target
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import JobSpec
@@ -19,6 +18,9 @@ from graphrl.compiler.pipeline import PIPELINE
 from graphrl.compiler.roles import Workload
 from graphrl.compiler.schedule import ProgramSettings
 from graphrl.compiler.state import Compilation, need
+
+if TYPE_CHECKING:  # the type only: the compiler takes a loaded job, it never loads one
+    from graphrl.loader import LoadedJob
 
 
 def compile_job(job: LoadedJob, cluster: ClusterSpec, *, check: bool = False, target: Target = "preview",

@@ -7,8 +7,9 @@ trainer rank gets its responses exactly once, no rank sends twice in a DDMA roun
 checks requires -> call -> ensures; when asked (tests, `graphrl --debug`) it also runs the graph
 invariants and the pass's spec between passes. A failure is reported with the pass's name and the
 passes that ran before it.
-A user's mistake found by a pass stays a `GraphRLError` (exit 2, with its place); anything else is a bug
-and is wrapped in `PassFailure`.
+A user's mistake found by a pass stays a `GraphRLError` (exit 2, with its place), and a `LayoutError` of the
+schemas (a mesh or layout that cannot place what it is asked to) becomes a `PlacementError` in its words;
+anything else is a bug and is wrapped in `PassFailure`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any, Callable, Sequence
 
 import networkx as nx
 
-from graphrl.errors import GraphRLError, InternalError
+from graphrl.errors import GraphRLError, InternalError, PlacementError
 from graphrl.ir import DataEdge, JobGraph, WeightEdge
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.capabilities import Target
 from graphrl.schemas.job import JobSpec
+from graphrl.schemas.mesh import LayoutError
 
 from graphrl.compiler.state import Compilation
 
@@ -158,6 +160,8 @@ def run_passes(
             raise
         except InternalError:
             raise
+        except LayoutError as exc:
+            raise PlacementError(exc.message, fix=exc.fix) from None
         except Exception as exc:  # a bug in the pass: keep the pipeline position in the report
             raise PassFailure(p.name, done, f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(result, Compilation):

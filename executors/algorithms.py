@@ -22,9 +22,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from graphrl.registry import Registry
 from graphrl.schemas.algorithms import ImportanceLevel, ImportanceMode, KLEstimatorName, LossAggregation, Normalization
 from graphrl.schemas.job import AdvantageNode, AlgorithmSpec
+from graphrl.schemas.registry import Registry
 
 KLEstimator = KLEstimatorName
 Metrics = dict[str, float]

@@ -1,4 +1,5 @@
-"""The files a job names (model checkpoints, dataset files): made absolute and checked when it loads.
+"""The files a job names (model checkpoints, dataset files): made absolute and checked when it loads; a model
+given by its checkpoint alone gets the checkpoint's dims here, so nothing after loading reads config.json.
 
 Paths in a job are relative to the job file, never to the working directory, so a job runs the same
 from anywhere; a missing checkpoint, dataset file or dataset column is a JobError naming the field, and so
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from graphrl.errors import GraphRLError, JobError
 from graphrl.schemas.job import JobSpec
+from graphrl.schemas.model import ModelDims
 
 
 def _absolute(path: Path, base_dir: Path) -> Path:
@@ -31,8 +33,11 @@ def resolve_job_files(spec: JobSpec, base_dir: Path) -> JobSpec:
         if not path.exists():
             raise JobError(f"checkpoint {path} does not exist", path=("models", name, "checkpoint"),
                            fix="point it at a Hugging Face model folder or a .gguf file (relative to the job file)")
-        _checked_checkpoint(name, path)
-        models[name] = model.model_copy(update={"checkpoint": path})
+        dims = _checked_checkpoint(name, path)
+        if model.preset is None and model.dims is None:  # the checkpoint's architecture, read here once
+            models[name] = model.model_copy(update={"checkpoint": path, "dims": dims})
+        else:
+            models[name] = model.model_copy(update={"checkpoint": path})
     nodes = {}
     for name, node in spec.nodes.items():
         if node.op == "generate":
@@ -73,12 +78,12 @@ def _measured_lengths(name: str, node, base_dir: Path):  # noqa: ANN001, ANN202
         update={"from_run": folder, "measured": measured})})
 
 
-def _checked_checkpoint(name: str, path: Path) -> None:
-    """A checkpoint a rank can load (config.json or GGUF metadata, weights present), or its error at
-    `models.<name>.checkpoint`."""
+def _checked_checkpoint(name: str, path: Path) -> ModelDims:
+    """The architecture of a checkpoint a rank can load (config.json or GGUF metadata, weights present), or
+    its error at `models.<name>.checkpoint`."""
     from graphrl.models.checkpoints import check_checkpoint
 
     try:
-        check_checkpoint(path)
+        return check_checkpoint(path)
     except GraphRLError as exc:
         raise type(exc)(exc.message, path=("models", name, "checkpoint"), fix=exc.fix) from None

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from graphrl.registry import Registry
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.data import DataSchema
 from graphrl.schemas.job import (
@@ -22,6 +21,7 @@ from graphrl.schemas.job import (
     TrainNode,
     ValueNode,
 )
+from graphrl.schemas.registry import Registry
 
 # The batches that flow through an RL step. B prompts of P tokens become N = B * G responses of R tokens.
 PROMPTS = DataSchema.of(prompt_ids="int64[B, P]", prompt_mask="bool[B, P]")

@@ -14,7 +14,7 @@ import re
 from fractions import Fraction
 from typing import Callable
 
-from graphrl.registry import Registry
+from graphrl.schemas.registry import Registry
 from graphrl.tasks import resolve_callable
 
 AnswerRule = Callable[[str, str], float]

@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
-from graphrl.registry import Registry
+from graphrl.schemas.registry import Registry
 
 if TYPE_CHECKING:  # torch is imported where a task or reward runs: checking a job's names must not pay for it
     import torch

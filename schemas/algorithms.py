@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from graphrl.registry import Registry
+from graphrl.schemas.registry import Registry
 
 Normalization = Literal["group", "batch", "none"]
 """How an estimator scales its advantages: by the std of each prompt's group, by the std over the whole

@@ -15,8 +15,18 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, field_serializer, field_validator, model_validator
 
-from graphrl.errors import PlacementError
 from graphrl.schemas.base import Frozen
+
+
+class LayoutError(ValueError):
+    """A rank, axis or layout a mesh or the sharding description cannot place (a rank outside the mesh, a
+    Shard of a dim the tensor lacks). Raised by the schemas' own functions; the compiler reports it as a
+    `PlacementError` (`graphrl.compiler.passes.run_passes`), in the same words."""
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
 
 
 class MeshAxis(StrEnum):
@@ -152,7 +162,7 @@ class Mesh(Frozen):
         try:
             return self._coords[self._index[rank]]
         except KeyError:
-            raise PlacementError(f"rank {rank} is not in mesh {self.describe()}") from None
+            raise LayoutError(f"rank {rank} is not in mesh {self.describe()}") from None
 
     def coord_table(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """(rank, coords in axis order) for every rank, in mesh order."""

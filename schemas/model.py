@@ -120,12 +120,10 @@ class ModelSpec(Frozen):
         return self
 
     def resolved_dims(self) -> ModelDims:
-        """The architecture, whether it came from a preset or was given explicitly."""
+        """The architecture: given explicitly, a preset's, or its checkpoint's (filled in when the job loaded)."""
         if self.dims is not None:
             return self.dims
         if self.preset is not None:
             return MODEL_PRESETS[self.preset]
-        assert self.checkpoint is not None
-        from graphrl.models.checkpoints import checkpoint_dims  # reads config.json or GGUF metadata once
-
-        return checkpoint_dims(self.checkpoint)
+        raise ValueError(f"the architecture of checkpoint {self.checkpoint} was never read: load the job with "
+                         "graphrl.loader, which fills in its dims")

@@ -32,8 +32,7 @@ import math
 from math import prod
 from typing import Callable, Literal, Mapping, Sequence
 
-from graphrl.errors import PlacementError
-from graphrl.schemas.mesh import Mesh, MeshAxis
+from graphrl.schemas.mesh import LayoutError, Mesh, MeshAxis
 from graphrl.schemas.model import ModelDims
 
 # A region of a full tensor as half-open (start, stop) pairs, one per tensor dim.
@@ -104,12 +103,12 @@ def pp_stage(param: ParamInfo, num_stages: int) -> int:
     if param.layer is None:
         return 0 if "embed_tokens" in param.name else num_stages - 1
     if param.num_layers is None:
-        raise PlacementError(
+        raise LayoutError(
             f"parameter {param.name} has layer {param.layer} but no num_layers, so its pp stage is unknown",
             fix="build ParamInfo with num_layers (llama_params does)",
         )
     if not 0 <= param.layer < param.num_layers:
-        raise PlacementError(f"parameter {param.name}: layer {param.layer} is outside 0..{param.num_layers - 1}")
+        raise LayoutError(f"parameter {param.name}: layer {param.layer} is outside 0..{param.num_layers - 1}")
     q, r = divmod(param.num_layers, num_stages)
     if param.layer < r * (q + 1):
         return param.layer // (q + 1)
@@ -132,7 +131,7 @@ def normalize_layout(
     per_dim: list[list[int]] = [[] for _ in shape]
     for key, placement in layout.items():
         if key not in MeshAxis.__members__.values():
-            raise PlacementError(
+            raise LayoutError(
                 f"parameter {name}: layout names an unknown mesh axis {key!r}",
                 fix=f"use axes from {[a.value for a in MeshAxis]}",
             )
@@ -140,14 +139,14 @@ def normalize_layout(
         if isinstance(placement, Replicate):
             continue
         if not isinstance(placement, Shard):
-            raise PlacementError(f"parameter {name}: placement {placement!r} on {axis.value} is not Replicate or Shard")
+            raise LayoutError(f"parameter {name}: placement {placement!r} on {axis.value} is not Replicate or Shard")
         if axis is MeshAxis.PP:
-            raise PlacementError(
+            raise LayoutError(
                 f"parameter {name}: pp assigns whole layers to stages and cannot Shard a tensor",
                 fix="use Replicate() for pp",
             )
         if not 0 <= placement.dim < len(shape):
-            raise PlacementError(
+            raise LayoutError(
                 f"parameter {name} of shape {tuple(shape)}: Shard({placement.dim}) on {axis.value} names no dim"
             )
     for pos, (axis, size) in sorted(enumerate(mesh.axes), key=lambda item: _NESTING.get(item[1][0], 2)):
@@ -311,7 +310,7 @@ def tp_style(name: str) -> TpStyle:
     module, _ = _module_and_kind(name)
     style = _TP_STYLE.get(module)
     if style is None:
-        raise PlacementError(
+        raise LayoutError(
             f"parameter {name} is not a Llama parameter, so its tensor-parallel layout is unknown",
             fix="give a layout function for this model",
         )

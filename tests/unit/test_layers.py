@@ -12,6 +12,7 @@ A message names the chain of imports that breaks a rule, each link with its file
 from __future__ import annotations
 
 import ast
+import functools
 import tomllib
 from collections import deque
 from collections.abc import Callable
@@ -55,18 +56,25 @@ def _known(name: str) -> str | None:
     return name or None
 
 
-def imports_of(module: str) -> list[Import]:
+@functools.cache
+def imports_of(module: str) -> tuple[Import, ...]:
     """The graphrl modules `module` imports, each with the line of its import statement."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    return [i for i in imports_in(path, package) if i.module != module]
+    return tuple(i for i in imports_in(path, package) if i.module != module)
 
 
 def imports_in(path: Path, package: str) -> list[Import]:
     """The graphrl modules the file `path` of `package` imports, at any depth. `from a import b` imports
-    `a`, and `a.b` where that is a module; importing `a.b.c` also runs the packages `a` and `a.b`."""
+    `a`, and `a.b` where that is a module; importing `a.b.c` also runs the packages `a` and `a.b`. An
+    import under `if TYPE_CHECKING:` runs only in a type checker, never with the module: it is left out."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and _type_checking(node.test)
+                   for stmt in node.body for inner in ast.walk(stmt)}
     found: list[Import] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -83,6 +91,11 @@ def imports_in(path: Path, package: str) -> list[Import]:
                 found.append(Import(name, path, node.lineno))
                 name = _known(name.rpartition(".")[0])
     return list(dict.fromkeys(found))
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _in(module: str, package: str) -> bool:
@@ -109,7 +122,7 @@ def reachable(start: str) -> dict[str, list[Import]]:
     return chains
 
 
-def _deepest(imports: list[Import]) -> list[Import]:
+def _deepest(imports: tuple[Import, ...]) -> list[Import]:
     """`imports` less the packages a statement runs only because it imports a module inside them."""
     return [i for i in imports if not any(j.line == i.line and j.module.startswith(i.module + ".") for j in imports)]
 
@@ -120,13 +133,13 @@ def _of(package: str) -> list[str]:
 
 def test_the_walk_finds_every_package_and_every_import(tmp_path: Path) -> None:
     """The rules below would hold vacuously if the walk found no modules, or missed an import inside a
-    function or a relative one."""
+    function or a relative one; an import for the type checker only is no import."""
     for package in ("graphrl.schemas", "graphrl.compiler", "graphrl.executors"):
         assert len(_of(package)) > 5, package
     assert PLANNER in MODULES, f"{PLANNER} not found: the weight-sync planner moved; name it here"
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from graphrl.compiler.weight_sync import ddma_record\n"
-                      "from .mesh import Mesh\n")
+                      "from .mesh import Mesh\nif TYPE_CHECKING:\n    from graphrl.executors import fp8\n")
     found = {i.module for i in imports_in(module, "graphrl.schemas")}
     assert found == {"graphrl", "graphrl.compiler", "graphrl.compiler.weight_sync", "graphrl.schemas",
                      "graphrl.schemas.mesh"}

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphrl.schemas.mesh import LayoutError
 from graphrl.schemas.sharding import (
     Mesh,
     MeshAxis,
@@ -25,7 +26,6 @@ from graphrl.schemas.sharding import (
     llama_layout_on,
     fsdp_layer_units,
 )
-from graphrl.errors import GraphRLError, PlacementError
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 
 DP, FSDP, TP, PP = MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP, MeshAxis.PP
@@ -64,7 +64,7 @@ def test_mesh_rejects_inconsistent_descriptions(devices: tuple, axes: tuple) -> 
 
 
 def test_coords_of_a_foreign_rank_is_an_error() -> None:
-    with pytest.raises(PlacementError, match="not in mesh"):
+    with pytest.raises(LayoutError, match="not in mesh"):
         Mesh.of((0, 1), ((TP, 2),)).coords(5)
 
 
@@ -137,9 +137,9 @@ def test_regions_match_nested_dtensor_shards_and_replicas_cover_each_element_equ
 
 def test_pp_cannot_shard_and_shard_dims_must_exist() -> None:
     mesh = Mesh.contiguous([(PP, 2)])
-    with pytest.raises(PlacementError, match="pp"):
+    with pytest.raises(LayoutError, match="pp"):
         shard_region(ParamInfo("w", (4,), 0, 2), mesh, 0, {PP: Shard(0)})
-    with pytest.raises(PlacementError, match="names no dim"):
+    with pytest.raises(LayoutError, match="names no dim"):
         shard_region(ParamInfo("w", (4,)), Mesh.contiguous([(TP, 2)]), 0, {TP: Shard(1)})
 
 
@@ -168,7 +168,7 @@ def test_embeddings_on_first_stage_head_and_final_norm_on_last() -> None:
 
 
 def test_a_layer_param_without_num_layers_cannot_be_staged() -> None:
-    with pytest.raises(GraphRLError, match="num_layers"):
+    with pytest.raises(LayoutError, match="num_layers"):
         pp_stage(ParamInfo("model.layers.0.mlp.up_proj.weight", (4,), 0), 2)
 
 
@@ -229,7 +229,7 @@ def test_an_fsdp_shard_of_a_row_parallel_weight_is_the_tp_shard_on_the_same_rank
 
 
 def test_llama_layout_refuses_unknown_names() -> None:
-    with pytest.raises(PlacementError, match="not a Llama parameter"):
+    with pytest.raises(LayoutError, match="not a Llama parameter"):
         llama_param_layout(ParamInfo("model.layers.0.moe.router.weight", (8, 8), 0, 1))
 
 

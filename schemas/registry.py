@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
-from graphrl.errors import InternalError
-
 T = TypeVar("T")
 
 
@@ -21,7 +19,7 @@ class Registry(Generic[T]):
 
     def add(self, name: str, entry: T) -> T:
         if name in self._entries:
-            raise InternalError(f"{self.what} {name!r} is already registered")
+            raise ValueError(f"{self.what} {name!r} is already registered")
         self._entries[name] = entry
         return entry
 
