@@ -92,7 +92,7 @@ def predicted_phases(plan_path: Path) -> tuple[float, dict[str, float]]:
     from graphrl.report.compare import simulated_spans
     from graphrl.report.spans import phase_of, seconds_per_kind, steady_spans
 
-    plan = load_plan(plan_path, check=False)
+    plan = load_plan(plan_path)
     steady, kept = steady_spans(simulated_spans(plan), 1)
     phases: dict[str, float] = {}
     for kind, seconds in seconds_per_kind(steady, max(len(kept), 1)).items():

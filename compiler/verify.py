@@ -14,8 +14,8 @@ Each violation is a `VerifyError` naming the rank, the instruction index and the
 from __future__ import annotations
 
 
-from graphrl.errors import VerifyError
-from graphrl.schemas.plan import Layout
+from graphrl.errors import Location, PlanFileError, VerifyError
+from graphrl.schemas.plan import Layout, Plan
 from graphrl.schemas.program import TRAITS, Programs, describe
 
 from graphrl.compiler.semantics import SEMANTICS, STATE, Ledger
@@ -119,4 +119,21 @@ def verify_programs(programs: Programs, layout: Layout, usable_bytes: float, mod
     return check_memory(window, layout, usable_bytes)
 
 
-__all__ = ["check_body_memory_balance", "check_memory", "check_staleness", "proof_window", "verify_programs"]
+def runnable_plan(plan: Plan, source: str) -> Plan:
+    """`plan`, read from the file `source`, once its programs are proven to run to the end; refuses an
+    edited file (a send without its receive, a group instruction some members lack) by the verifier's
+    deadlock check on the window that proves every run."""
+    if plan.programs is None:
+        return plan
+    try:
+        if plan.programs.num_ranks != plan.cluster.num_devices:
+            raise ValueError(f"{plan.programs.num_ranks} rank programs for {plan.cluster.num_devices} devices")
+        run_programs(proof_window(plan.programs, plan.job.schedule.max_staleness))
+    except (VerifyError, ValueError) as exc:
+        raise PlanFileError(f"the plan's programs cannot run: {exc}", location=Location(source),
+                            fix="recompile the job with `graphrl compile JOB -o plan.msgpack`") from None
+    return plan
+
+
+__all__ = ["check_body_memory_balance", "check_memory", "check_staleness", "proof_window", "runnable_plan",
+           "verify_programs"]

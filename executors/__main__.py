@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     try:
-        plan = load_plan(args.plan, check=False)  # `graphrl launch` verified it when it wrote it
+        plan = load_plan(args.plan)  # `graphrl launch` verified it when it wrote it
         refuse_unrunnable_plan(plan)
     except GraphRLError as exc:
         print(f"error: {exc.render()}", file=sys.stderr)

@@ -92,7 +92,7 @@ def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_st
         from graphrl.executors.runtime import Runtime
 
         torch.set_num_threads(threads)
-        plan = load_plan(plan_path, check=False)  # the launcher checked it once, before any rank started
+        plan = load_plan(plan_path)  # the launcher checked it once, before any rank started
         assert plan.programs is not None
         runtime = Runtime.init(rank, world_size, plan.job.run.device, plan.programs.groups, local_rank)
         if runtime.device.type == "cpu":  # before the rank's first large tensor

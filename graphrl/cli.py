@@ -361,13 +361,14 @@ def _is_plan_file(target: str) -> bool:
 
 
 def _load_plan_or_compile(target: str, cluster: str | None, **options):  # noqa: ANN201
-    """A plan file (msgpack) as it is, or a job compiled now."""
+    """A plan file (msgpack) as it is, once its programs are proven to run, or a job compiled now."""
+    from graphrl.compiler.verify import runnable_plan
     from graphrl.plan_io import load_plan
 
     if _is_plan_file(target):
         if options.get("steps") or cluster:
             click.echo("warning: --steps and --cluster are ignored for a compiled plan file", err=True)
-        return load_plan(Path(target))
+        return runnable_plan(load_plan(Path(target)), target)
     return _compile(target, cluster, **options)
 
 

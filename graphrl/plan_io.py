@@ -2,7 +2,9 @@
 
 A file is a msgpack map `{"graphrl_plan": <format version>, "plan": <Plan as JSON-compatible data>}`.
 Loading checks the magic key and the version, then validates through the pydantic `Plan` model, so a
-corrupted or foreign file is an error naming the file, never arbitrary code execution.
+corrupted or foreign file is an error naming the file, never arbitrary code execution. Whether its programs
+run to the end is the compiler's check (`graphrl.compiler.verify.runnable_plan`), made where a plan file is
+taken in (the CLI); the ranks read the plan their launcher took, as it is.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def plan_to_bytes(plan: Plan) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def plan_from_bytes(data: bytes, source: str = "<bytes>", *, check: bool = True) -> Plan:
-    """The plan in `data`; `check` also proves its programs run to the end (no deadlock)."""
+def plan_from_bytes(data: bytes, source: str = "<bytes>") -> Plan:
+    """The plan in `data`."""
     where = Location(source)
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -50,31 +52,11 @@ def plan_from_bytes(data: bytes, source: str = "<bytes>", *, check: bool = True)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise PlanFileError(f"plan file has corrupted programs: {exc}", location=where, fix="recompile the job") from None
     try:
-        plan = Plan.model_validate({**obj["plan"], "programs": programs})
+        return Plan.model_validate({**obj["plan"], "programs": programs})
     except ValidationError as exc:
         raise PlanFileError(f"plan file is corrupted: {exc.errors()[0]['msg']} at "
                             f"{'.'.join(map(str, exc.errors()[0]['loc']))}", location=where,
                             fix="recompile the job") from None
-    if check and programs is not None:
-        _check_programs(plan, where)
-    return plan
-
-
-def _check_programs(plan: Plan, where: Location) -> None:
-    """Refuse programs that could not run to the end (an edited file: a send without its receive, a group
-    instruction some members lack): the verifier's deadlock check on the window that proves every run."""
-    from graphrl.compiler.simulate import run_programs
-    from graphrl.compiler.verify import proof_window
-    from graphrl.errors import VerifyError
-
-    assert plan.programs is not None
-    try:
-        if plan.programs.num_ranks != plan.cluster.num_devices:
-            raise ValueError(f"{plan.programs.num_ranks} rank programs for {plan.cluster.num_devices} devices")
-        run_programs(proof_window(plan.programs, plan.job.schedule.max_staleness))
-    except (VerifyError, ValueError) as exc:
-        raise PlanFileError(f"the plan's programs cannot run: {exc}", location=where,
-                            fix="recompile the job with `graphrl compile JOB -o plan.msgpack`") from None
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
@@ -91,11 +73,11 @@ def save_plan(plan: Plan, path: str | Path) -> None:
         raise
 
 
-def load_plan(path: str | Path, *, check: bool = True) -> Plan:
-    """The plan in file `path`; `check` also proves its programs run to the end (`plan_from_bytes`)."""
+def load_plan(path: str | Path) -> Plan:
+    """The plan in file `path` (`plan_from_bytes`)."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise PlanFileError(f"cannot read plan file {path}: {exc.strerror}", fix="check the path") from None
-    return plan_from_bytes(data, str(path), check=check)
+    return plan_from_bytes(data, str(path))

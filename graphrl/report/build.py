@@ -45,9 +45,10 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> Report:
 
     plan: Plan | None = None
     if (run_dir / PLAN_FILE).exists():
+        from graphrl.compiler.verify import runnable_plan
         from graphrl.plan_io import load_plan
 
-        plan = load_plan(run_dir / PLAN_FILE)
+        plan = runnable_plan(load_plan(run_dir / PLAN_FILE), str(run_dir / PLAN_FILE))
     else:
         notes.append(f"no {PLAN_FILE} in the run folder: nothing to compare the measurements with")
     measured = read_timeline(run_dir / TIMELINE_FILE) if (run_dir / TIMELINE_FILE).exists() else None

@@ -19,7 +19,7 @@ from graphrl.compiler.pipeline import placed_programs
 from graphrl.compiler.schedule import ProgramSettings
 from graphrl.compiler.schedule import fold_length
 from graphrl.compiler.simulate import run_programs
-from graphrl.compiler.verify import check_body_memory_balance
+from graphrl.compiler.verify import check_body_memory_balance, runnable_plan
 from graphrl.errors import PlanFileError, VerifyError
 from graphrl.loader import job_cluster, load_job, load_job_text
 from graphrl.plan_io import load_plan, plan_from_bytes, plan_to_bytes
@@ -140,7 +140,7 @@ def test_plan_with_a_send_removed_is_refused_at_load(tmp_path):
         raw["programs"]["ranks"][0]["body"] = [i for i in body if i[0] != "Send"]
     path = _edited(tmp_path, drop_send)
     with pytest.raises(PlanFileError) as info:
-        load_plan(path)
+        runnable_plan(load_plan(path), str(path))
     assert "edited.msgpack" in str(info.value) and "deadlock" in str(info.value)
     out = CliRunner().invoke(main, ["simulate", str(path)])
     assert out.exit_code == 2 and "cannot run" in out.output and "Traceback" not in out.output
@@ -157,8 +157,9 @@ def test_truncated_plan_file_is_refused(tmp_path):
 def test_bad_loop_bounds_are_refused(tmp_path):
     def negative_first(raw):
         raw["programs"]["ranks"][0]["first"] = -3
+    path = _edited(tmp_path, negative_first)
     with pytest.raises(PlanFileError) as info:
-        load_plan(_edited(tmp_path, negative_first))
+        runnable_plan(load_plan(path), str(path))
     assert "first=-3" in str(info.value)
 
 
