@@ -17,7 +17,8 @@ from graphrl.ir import JobGraph
 from graphrl.schemas.capabilities import Target, hardware_has_fp8, precision_refusal, train_layout_refusal
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import Engine, PlacementHints, RoleHint, parse_device_range
+from graphrl.schemas.job import (PRECISIONS, SHARDINGS, Engine, PlacementHints, RoleHint, ScheduleMode, Sharding,
+                                 parse_device_range)
 from graphrl.schemas.mesh import Mesh
 
 from graphrl.compiler import cost, timing
@@ -29,7 +30,8 @@ from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_pr
 GB = 1e9
 # Bytes of one response in flight between meshes: prompt and response ids (int64), masks (bool),
 # behaviour log-probs (fp32) and, per response, a reward and an advantage per token (fp32).
-SHARDINGS: tuple[str, ...] = ("fsdp", "zero2", "zero1", "none")
+# The search meets the most sharded training state first (the order its ties and its refusals come in).
+SHARDING_SEARCH_ORDER: tuple[Sharding, ...] = SHARDINGS[::-1]
 Strategy = Literal["colocated", "disaggregated"]
 
 
@@ -162,7 +164,7 @@ class Problem(SearchSpace):
     step and the schedule's mode)."""
 
     workload: Workload
-    mode: Literal["sync", "async"]
+    mode: ScheduleMode
 
     @property
     def usable(self) -> float:
@@ -207,7 +209,7 @@ def train_cfgs(p: SearchSpace, first: int, n: int) -> list[TrainCfg]:
     run (the capability table); for a preview, a preview-only choice the user pinned is laid out too."""
     role = p.policy
     hint = p.hint(role.name)
-    shardings = [hint.sharding] if hint.sharding else list(SHARDINGS)
+    shardings = [hint.sharding] if hint.sharding else list(SHARDING_SEARCH_ORDER)
     offloads = [hint.offload] if hint.offload is not None else [False, True]
     out = []
     for tp, pp, dp, fsdp in train_shapes(role, hint, n, p.per_node):
@@ -231,7 +233,7 @@ def gen_cfgs(p: SearchSpace, first: int, n: int) -> list[GenCfg]:
     # runs on fp8 matmul units, and where it is dequantized at use (CPU) it only saves memory, so it is
     # run when pinned.
     fp8 = hardware_has_fp8(p.hw)
-    offered = ["bf16", "fp8"] if fp8 and not cost.fp8_dequantizes(p.hw) else ["bf16"]
+    offered = list(PRECISIONS) if fp8 and not cost.fp8_dequantizes(p.hw) else ["bf16"]
     precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
                   if precision_refusal("generate", prec, hardware_fp8=fp8) is None
                   and prec in ENGINE_PRECISIONS[p.engine_of(role.name)]]
@@ -406,7 +408,7 @@ def _check_pin_meshes(p: SearchSpace, role: Role, hint: RoleHint, path: tuple[st
                 "would hold no response of a mini-batch", path=("algorithm", "mini_batch_size"),
                 fix=f"use a mini_batch_size of at least {dp * fsdp}, or pin fewer data-parallel ranks")
     if role.kind == "train":  # trainer meshes of the pinned shape exist, and the capability table refuses them
-        shardings = [hint.sharding] if hint.sharding else SHARDINGS
+        shardings = [hint.sharding] if hint.sharding else SHARDING_SEARCH_ORDER
         refusals = [r for s in sorted(sizes) for tp, pp, dp, fsdp in train_shapes(role, hint, s, p.per_node)
                     for sharding in shardings
                     if (r := train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)) is not None]

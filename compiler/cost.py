@@ -21,16 +21,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from graphrl.errors import GraphRLError
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import PRECISION_BYTES
+from graphrl.schemas.job import PRECISION_BYTES, SHARDINGS, Precision, Sharding
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.sharding import LLAMA_LAYER, fsdp_layer_units, llama_layer_param_count, llama_param_count
-
-Precision = Literal["bf16", "fp8"]
-Sharding = Literal["none", "zero1", "zero2", "fsdp"]
 
 BF16_BYTES = 2
 FP32_BYTES = 4
@@ -44,7 +40,6 @@ FP8_SCALE_BYTES = 4
 ADAM_MOMENT_BYTES_PER_PARAM = 8
 # Logits for the loss / log-softmax: the bf16 matmul output plus its fp32 upcast.
 LOGIT_BYTES = BF16_BYTES + FP32_BYTES
-SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "fsdp")
 
 
 class UnsupportedPrecisionError(GraphRLError, ValueError):

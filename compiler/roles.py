@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from graphrl.compiler.lengths import Lengths, lengths_of
 from graphrl.errors import JobError
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
+from graphrl.schemas.job import ScheduleMode
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.plan import Layout, RoleKind
@@ -125,7 +125,7 @@ class JobShape:
         return layout.role_mesh(by_role[self.policy.name]), (layout.role_mesh(by_role[gen.name]) if gen else None)
 
 
-def effective_mode(job_mode: str, strategy: str) -> Literal["sync", "async"]:
+def effective_mode(job_mode: str, strategy: str) -> ScheduleMode:
     """The schedule a layout runs: the job's mode when generation has devices of its own; a colocated
     layout is synchronous (its roles take turns on the same devices)."""
     return "async" if job_mode == "async" and strategy == "disaggregated" else "sync"

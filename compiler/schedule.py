@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Literal, Mapping
+from typing import Callable, Mapping
 
 from graphrl.ir import JobGraph, OpNode
-from graphrl.schemas.job import JobSpec
+from graphrl.schemas.job import JobSpec, ScheduleMode
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.program import (
@@ -89,7 +89,7 @@ class ProgramSettings:
 
     steps: int
     """Steps of the run."""
-    mode: Literal["sync", "async"] | None = None
+    mode: ScheduleMode | None = None
     """The schedule's mode; None: the job's (`effective_mode` on the layout)."""
     checkpoint_every: int | None = None
     """Steps between checkpoints; None: the job's."""

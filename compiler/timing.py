@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from graphrl.schemas.hardware import CollectiveFit, HardwareSpec, MatmulFit
-from graphrl.schemas.job import PRECISION_BYTES
+from graphrl.schemas.job import PRECISION_BYTES, SHARDINGS, Precision, Sharding
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.sharding import LLAMA_LAYER, TpStyle
 
 from graphrl.compiler.lengths import Lengths
-from graphrl.compiler.cost import (BF16_BYTES, DDP_BUCKET_BYTES, FP32_BYTES, SHARDINGS, Precision, Sharding,
-                                   UnsupportedPrecisionError, fp8_dequantizes, fsdp_units, kv_shards,
-                                   param_count, param_tensor_count, weight_bytes)
+from graphrl.compiler.cost import (BF16_BYTES, DDP_BUCKET_BYTES, FP32_BYTES, UnsupportedPrecisionError,
+                                   fp8_dequantizes, fsdp_units, kv_shards, param_count, param_tensor_count,
+                                   weight_bytes)
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p"]
 

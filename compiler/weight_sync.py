@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Mapping
 
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.program import CostKey
 from graphrl.schemas.plan import Layout
-from graphrl.schemas.weightsync import WeightSyncRecord
+from graphrl.schemas.weightsync import WeightSyncKind, WeightSyncRecord
 
 from graphrl.compiler import timing
 from graphrl.compiler.cost import BF16_BYTES
@@ -35,7 +35,7 @@ from graphrl.compiler.roles import JobShape
 class WeightSyncPlan:
     """The weight-sync stage's result for the policy."""
 
-    kind: Literal["none", "in_place", "ddma"]
+    kind: WeightSyncKind
     """No generator; colocated (resharded in place, on the trainer's own devices); disaggregated (DDMA copy)."""
     transfer: str
     """The transfer's name in the plan (`model:trainer->generator`)."""

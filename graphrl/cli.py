@@ -31,7 +31,7 @@ from graphrl.errors import (GraphRLError, GraphRLWarning, InternalError, Interru
 from graphrl.ir import JobGraph, build_graph
 from graphrl.loader import LoadedJob, Override, SourceMap, apply_overrides, job_cluster, load_job, parse_override
 from graphrl.schemas.cluster import ClusterSpec
-from graphrl.schemas.job import JobSpec
+from graphrl.schemas.job import SCHEDULE_MODES, JobSpec
 from graphrl.writes import job_inputs, refuse_overwriting_inputs, write_atomically
 
 EXIT_USER_ERROR = 2
@@ -506,7 +506,7 @@ def refuse_unrunnable(plan, loaded: LoadedJob) -> None:  # noqa: ANN001
 @click.option("--cluster", "-c", help="Cluster preset or file; overrides the job's.")
 @click.option("--steps", type=int, help="Number of RL steps (overrides schedule.steps).")
 @click.option("--seed", type=int, help="Seed (overrides run.seed).")
-@click.option("--schedule", type=click.Choice(["sync", "async"]), help="Override schedule.mode.")
+@click.option("--schedule", type=click.Choice(SCHEDULE_MODES), help="Override schedule.mode.")
 @click.option("--strategy", type=click.Choice(["auto", "colocated", "disaggregated"]), help="Override placement.strategy.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default runs/<job>).")
 @click.option("--resume", is_flag=True, help="Continue the run in the run folder from its newest intact checkpoint "

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from itertools import chain, product
 from math import ceil, prod
 from operator import itemgetter
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from graphrl.schemas.job import PRECISION_BYTES
 from graphrl.schemas.model import ModelDims
@@ -58,35 +58,8 @@ from graphrl.schemas.sharding import (
     llama_layout_on,
     llama_params,
 )
-from graphrl.schemas.weightsync import Bucket as RecordBucket
-from graphrl.schemas.weightsync import LocalCopy as RecordLocalCopy
-from graphrl.schemas.weightsync import Slice as RecordSlice
-from graphrl.schemas.weightsync import WeightSyncRecord, WeightSyncSummary
+from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
 from graphrl.errors import JobError, PlacementError, RunError
-
-
-class Slice(NamedTuple):
-    """One box of one parameter, in full-tensor coordinates on both sides (they are the same box).
-    (A named tuple, as `Bucket`: a 405B plan makes ~10^5 of them.)"""
-
-    param: str
-    src_region: Region
-    dst_region: Region
-
-    @property
-    def num_elements(self) -> int:
-        return region_size(self.dst_region)
-
-
-class Bucket(NamedTuple):
-    """One flat buffer from `src` to `dst`: its slices packed in order. src == dst is a local copy.
-    (A named tuple: a 405B plan makes ~2 * 10^5 of them.)"""
-
-    src: int
-    dst: int
-    slices: tuple[Slice, ...]
-    num_bytes: int  # at the source's bytes per element (what crosses the link)
-    group: int = 0  # the staging group of its slices (`plan_weight_sync`'s `group_of`)
 
 
 @dataclass(frozen=True)
@@ -106,11 +79,13 @@ class TransferRound:
 
 
 @dataclass(frozen=True)
-class WeightSyncPlan:
-    """Every copy one weight sync makes. Dicts are read-only by convention."""
+class DdmaPlan:
+    """Every copy one weight sync makes. Its buckets and local copies are the plan file's own named tuples
+    (`graphrl.schemas.weightsync`), so its record (`sync_record`) takes them as they are. Dicts are read-only
+    by convention."""
 
     rounds: tuple[TransferRound, ...]
-    local_copies: tuple[Bucket, ...]  # one per rank that keeps some of its own bytes, src == dst
+    local_copies: tuple[LocalCopy, ...]  # one per rank that keeps some of its own bytes
     total_bytes: int  # bytes over links, summed over buckets
     bytes_per_src: dict[int, int]  # link bytes sent, per rank that sends any
     bytes_per_dst: dict[int, int]  # link bytes received, per rank that receives any
@@ -192,7 +167,7 @@ class _Entries:
         made = self._slices.get(eid)
         if made is None:
             ci, box, lo, hi = self.entries[eid]
-            made = self._slices[eid] = tuple([Slice(name, box, box) for name in self._names[ci][lo:hi]])
+            made = self._slices[eid] = tuple([Slice(name, box) for name in self._names[ci][lo:hi]])
         return made
 
 
@@ -207,7 +182,7 @@ def plan_weight_sync(
     dst_bytes_per_elem: int | None = None,
     bucket_bytes: int = 1 << 30,
     group_of: Callable[[ParamInfo], int] | None = None,
-) -> WeightSyncPlan:
+) -> DdmaPlan:
     """Plan one weight sync from the source (trainer) layout to the destination (generator) layout.
 
     `src_layout` / `dst_layout` give each parameter's placement on its mesh (e.g.
@@ -258,7 +233,7 @@ def _plan(
     dst_bytes_per_elem: int,
     bucket_bytes: int,
     group_of: Callable[[ParamInfo], int] | None,
-) -> WeightSyncPlan:
+) -> DdmaPlan:
     classes = _classify(params, src_mesh, src_layout, dst_mesh, dst_layout, group_of)
     eb = src_bytes_per_elem
     book = _Entries(classes, params)
@@ -316,11 +291,11 @@ def _plan(
                             choices.append((-item_bytes, len(choices), eid, r, holders))
 
     _assign_senders(choices, load, sends)
-    buckets = _bucketize(sends, book, eb, bucket_bytes)
+    buckets, groups = _bucketize(sends, book, eb, bucket_bytes)
     local_copies = _local_copies(local, book, eb)
     by_group: dict[int, list[Bucket]] = defaultdict(list)
-    for bucket in buckets:
-        by_group[bucket.group].append(bucket)
+    for bucket, group in zip(buckets, groups):
+        by_group[group].append(bucket)
     rounds = [_schedule(by_group[g]) for g in sorted({cls.group for cls in classes})]
 
     bytes_per_src: dict[int, int] = defaultdict(int)
@@ -330,7 +305,7 @@ def _plan(
         bytes_per_dst[bucket.dst] += bucket.num_bytes
     total = sum(bytes_per_src.values())
     assert total == lower_bound, (total, lower_bound)
-    return WeightSyncPlan(
+    return DdmaPlan(
         rounds=tuple(chain.from_iterable(rounds)),
         local_copies=local_copies,
         total_bytes=total,
@@ -346,11 +321,13 @@ def _plan(
     )
 
 
-def _bucketize(sends: dict[int, dict[int, list[int]]], book: _Entries, eb: int, limit: int) -> list[Bucket]:
-    """Every pair's buckets, pairs in (src, dst) order, each bucket within one group. Pairs with the same
-    entries share slices."""
+def _bucketize(sends: dict[int, dict[int, list[int]]], book: _Entries, eb: int,
+               limit: int) -> tuple[list[Bucket], list[int]]:
+    """Every pair's buckets, pairs in (src, dst) order, each bucket within one staging group; and each
+    bucket's group (`plan_weight_sync`'s `group_of`). Pairs with the same entries share slices."""
     packed: dict[tuple[int, ...], list[tuple[int, tuple[tuple[Slice, ...], int]]]] = {}
-    buckets = []
+    buckets: list[Bucket] = []
+    groups: list[int] = []
     for s in sorted(sends):
         for r in sorted(sends[s]):
             key = tuple(sends[s][r])
@@ -361,12 +338,13 @@ def _bucketize(sends: dict[int, dict[int, list[int]]], book: _Entries, eb: int, 
                     by_group[book.group(eid)].append(eid)
                 chunks = packed[key] = [(g, chunk) for g in sorted(by_group)
                                         for chunk in _pack(tuple(by_group[g]), book, eb, limit)]
-            buckets.extend(Bucket(s, r, slices, num_bytes, g) for g, (slices, num_bytes) in chunks)
-    return buckets
+            buckets.extend(Bucket(s, r, num_bytes, slices) for _, (slices, num_bytes) in chunks)
+            groups.extend(g for g, _ in chunks)
+    return buckets, groups
 
 
-def _local_copies(local: dict[int, list[int]], book: _Entries, eb: int) -> tuple[Bucket, ...]:
-    """One unbounded src == dst bucket per rank that keeps bytes it already holds."""
+def _local_copies(local: dict[int, list[int]], book: _Entries, eb: int) -> tuple[LocalCopy, ...]:
+    """One unbounded copy per rank that keeps bytes it already holds."""
     packed: dict[tuple[int, ...], tuple[Slice, ...]] = {}
     out = []
     for r in sorted(local):
@@ -374,7 +352,7 @@ def _local_copies(local: dict[int, list[int]], book: _Entries, eb: int) -> tuple
         if key not in packed:
             ((packed[key], _),) = _pack(key, book, eb, None)
         slices = packed[key]
-        out.append(Bucket(r, r, slices, sum(sl.num_elements for sl in slices) * eb))
+        out.append(LocalCopy(r, sum(region_size(sl.region) for sl in slices) * eb, slices))
     return tuple(out)
 
 
@@ -539,13 +517,13 @@ def _pack(entries: tuple[int, ...], book: _Entries, eb: int, limit: int | None) 
                 i += k
             continue
         for whole in slices:  # each longer than a bucket: cut it to fill buckets to the target
-            todo = deque([whole.src_region])
+            todo = deque([whole.region])
             while todo:
                 part = todo.popleft()
                 pb = region_size(part) * eb
                 room = target - filled
                 if pb <= room:
-                    current.append((Slice(whole.param, part, part),))
+                    current.append((Slice(whole.param, part),))
                     filled += pb
                 elif room < eb:
                     close()
@@ -679,7 +657,7 @@ def _edge_colouring(edges: list[tuple[int, int]], order: Sequence[int]) -> list[
 # Reporting
 
 
-def plan_summary(plan: WeightSyncPlan) -> dict[str, Any]:
+def plan_summary(plan: DdmaPlan) -> dict[str, Any]:
     """JSON-able numbers that describe a plan (for previews and benchmarks)."""
     loads = [b for b in plan.bytes_per_src.values() if b > 0]
     recv = [b for b in plan.bytes_per_dst.values() if b > 0]
@@ -721,7 +699,7 @@ MAX_STORED_BUCKETS = 20_000
 
 
 def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
-                    bucket_bytes: int = DDMA_BUCKET_BYTES) -> WeightSyncPlan:
+                    bucket_bytes: int = DDMA_BUCKET_BYTES) -> DdmaPlan:
     """The DDMA plan of a Llama model's trainer -> generator copy, from the model's sharding description.
     Into an fp8 generator, in staging groups of layers (`sync_staging_layers`)."""
     layers = sync_staging_layers(dims, dst, precision)
@@ -739,16 +717,13 @@ def sync_staging_layers(dims: ModelDims, dst: Mesh, precision: str) -> int | Non
     return staging_layers(dims, dst.size(MeshAxis.TP)) if PRECISION_BYTES[precision] < WIRE_BYTES_PER_ELEM else None
 
 
-def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicted_s: float,
+def sync_record(plan: DdmaPlan, model: str, src: Mesh, dst: Mesh, predicted_s: float,
                 rank: int | None = None) -> WeightSyncRecord:
     """The record a plan stores of `plan`: its rounds when they hold at most `MAX_STORED_BUCKETS`
     buckets, else its summary only. With `rank`, the rounds whatever their number, but only the buckets
     and local copies `rank` takes part in (each round in place, maybe empty): what that rank's executor
     runs, in memory that does not grow with the mesh. The summary always describes the whole sync."""
     stored = rank is not None or plan.num_buckets <= MAX_STORED_BUCKETS
-
-    def slices(bucket: Any) -> tuple[RecordSlice, ...]:
-        return tuple(RecordSlice(s.param, tuple(tuple(x) for x in s.src_region)) for s in bucket.slices)
 
     def mine(*ranks: int) -> bool:
         return rank is None or rank in ranks
@@ -757,9 +732,8 @@ def sync_record(plan: WeightSyncPlan, model: str, src: Mesh, dst: Mesh, predicte
         model=model, src=src, dst=dst, staging_layers=plan.staging_layers, group_rounds=list(plan.group_rounds),
         src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
         bucket_bytes=plan.bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=predicted_s,
-        rounds=[[RecordBucket(b.src, b.dst, b.num_bytes, slices(b)) for b in r.buckets if mine(b.src, b.dst)]
-                for r in plan.rounds] if stored else None,
-        local=[RecordLocalCopy(b.src, b.num_bytes, slices(b)) for b in plan.local_copies if mine(b.src)] if stored else [],
+        rounds=[[b for b in r.buckets if mine(b.src, b.dst)] for r in plan.rounds] if stored else None,
+        local=[c for c in plan.local_copies if mine(c.rank)] if stored else [],
     )
 
 

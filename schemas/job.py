@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Union, get_args
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -21,12 +21,21 @@ NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 _NAME = re.compile(NAME_PATTERN)
 _REF = re.compile(r"^(?P<node>[A-Za-z_][A-Za-z0-9_\-]*)\.(?P<port>[A-Za-z_][A-Za-z0-9_]*)$")
 
+# The one definition of each choice below; code that iterates the choices reads the tuple beside it.
 Precision = Literal["bf16", "fp8"]
+"""A role's weight precision for compute."""
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 # What runs a generator role: graphrl's own KV-cache sampler, or a vLLM engine in the rank's process.
 Engine = Literal["native", "vllm"]
 PRECISION_BYTES: dict[str, int] = {"bf16": 2, "fp8": 1}
 """Bytes per weight of the block linears a role stores at each precision."""
 Sharding = Literal["none", "zero1", "zero2", "fsdp"]
+"""Training-state sharding over the data-parallel axis, least sharded first: none, ZeRO-1 (optimizer state),
+ZeRO-2 (and gradients), fsdp (ZeRO-3: and parameters)."""
+SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
+ScheduleMode = Literal["sync", "async"]
+"""'sync': generate(i) uses weights v=i; 'async': any v >= i - max_staleness."""
+SCHEDULE_MODES: tuple[ScheduleMode, ...] = get_args(ScheduleMode)
 
 
 def parse_ref(ref: str) -> tuple[str, str]:
@@ -314,7 +323,7 @@ class AlgorithmSpec(Frozen):
 class ScheduleSpec(Frozen):
     """How steps are unrolled."""
 
-    mode: Literal["sync", "async"] = Field(
+    mode: ScheduleMode = Field(
         default="sync", description="'sync': generate(i) uses weights v=i; 'async': any v >= i - max_staleness."
     )
     max_staleness: Integer = Field(default=1, ge=0, description="Async only: how many versions a generate may lag.")
@@ -332,7 +341,7 @@ class RoleHint(Frozen):
     fsdp: Integer | None = Field(default=None, gt=0, description="Sharded data-parallel size.")
     tp: Integer | None = Field(default=None, gt=0, description="Tensor-parallel size.")
     pp: Integer | None = Field(default=None, gt=0, description="Pipeline-parallel size.")
-    sharding: Literal["none", "zero1", "zero2", "fsdp"] | None = Field(
+    sharding: Sharding | None = Field(
         default=None, description="Training-state sharding over the data-parallel axis."
     )
     precision: Precision | None = Field(default=None, description="Generator weight precision.")

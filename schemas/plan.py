@@ -16,7 +16,7 @@ from graphrl.schemas.base import Frozen
 from graphrl.schemas.capabilities import plan_refusals
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import Engine, JobSpec, NodeSpec, Precision, Sharding
+from graphrl.schemas.job import Engine, JobSpec, NodeSpec, Precision, ScheduleMode, Sharding
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.program import Programs, programs_json_schema
 
@@ -115,7 +115,7 @@ class StepEstimate(Frozen):
 
     step_time_s: float = Field(ge=0, description="Steady-state seconds per RL step.")
     phases: dict[str, float] = Field(description="Seconds per phase (generate, infer, train, weight_sync, ...).")
-    mode: Literal["sync", "async"] = Field(description="Schedule the estimate assumes.")
+    mode: ScheduleMode = Field(description="Schedule the estimate assumes.")
     method: Literal["analytical", "simulated"] = Field(default="analytical", description="How it was computed.")
 
 

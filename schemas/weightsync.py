@@ -1,14 +1,14 @@
 """A DDMA weight sync as the plan stores it: the two meshes, the byte widths, and the transfer rounds.
 
-The planner (`graphrl.ddma`) computes a sync; this record is what a plan file keeps of it and
-what the executors run (`graphrl.executors.weightsync`). Buckets and slices are named tuples: typed and
-checked like every other field, yet written positionally (`[src, dst, bytes, [[param, region], ...]]`),
-since an 8B plan holds thousands of them.
+The planner (`graphrl.ddma`) computes a sync in these slices and buckets; this record is what a plan
+file keeps of it and what the executors run (`graphrl.executors.weightsync`). Buckets and slices are
+named tuples: typed and checked like every other field, yet written positionally (`[src, dst, bytes,
+[[param, region], ...]]`), since an 8B plan holds thousands of them (and the planner ~2 * 10^5 at 405B).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from pydantic import Field
 
@@ -17,8 +17,13 @@ from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.sharding import Region
 
 
+WeightSyncKind = Literal["none", "in_place", "ddma"]
+"""How new weights reach a generator: not at all (no generator); resharded in place (colocated: the trainer's
+own devices hold both roles); a DDMA copy (disaggregated)."""
+
+
 class Slice(NamedTuple):
-    """One region of one parameter."""
+    """One region of one parameter: the same box of the full tensor on the sending and the receiving side."""
 
     param: str
     """The parameter's name in graphrl's Llama (e.g. 'model.layers.0.self_attn.q_proj.weight')."""

@@ -13,10 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrl.ddma import (
-    Bucket,
-    Slice,
+    DdmaPlan,
     TransferRound,
-    WeightSyncPlan,
     _edge_colouring,
     plan_summary,
     plan_weight_sync,
@@ -31,12 +29,14 @@ from graphrl.schemas.sharding import (
     llama_param_layout,
     llama_params,
     local_slices,
+    region_size,
     shard_bounds,
     shard_region,
     to_slices,
 )
 from graphrl.errors import GraphRLError
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
+from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice
 
 DP, FSDP, TP, PP = MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP, MeshAxis.PP
 
@@ -60,7 +60,7 @@ def brute_lower_bound(params, src_mesh, src_layout, dst_mesh, dst_layout, eb) ->
     return total
 
 
-def check_plan(plan: WeightSyncPlan, params, src_mesh, src_layout, dst_mesh, dst_layout, eb: int, limit: int,
+def check_plan(plan: DdmaPlan, params, src_mesh, src_layout, dst_mesh, dst_layout, eb: int, limit: int,
                group_of=None) -> None:
     by_name = {p.name: p for p in params}
     assert plan.num_pairs == len({(b.src, b.dst) for b in plan.buckets()})
@@ -70,19 +70,18 @@ def check_plan(plan: WeightSyncPlan, params, src_mesh, src_layout, dst_mesh, dst
             if shard_bounds(p, dst_mesh, r, dst_layout(p)) is not None:
                 coverage[(p.name, r)] = np.zeros(p.shape, dtype=np.int64)
 
-    def take(bucket: Bucket) -> int:
+    def take(src: int, dst: int, slices: tuple[Slice, ...]) -> int:
         elems = 0
-        for sl in bucket.slices:
+        for sl in slices:
             p = by_name[sl.param]
-            assert sl.src_region == sl.dst_region
-            held = shard_bounds(p, src_mesh, bucket.src, src_layout(p))
-            need = shard_bounds(p, dst_mesh, bucket.dst, dst_layout(p))
+            held = shard_bounds(p, src_mesh, src, src_layout(p))
+            need = shard_bounds(p, dst_mesh, dst, dst_layout(p))
             assert held is not None and need is not None
-            assert all(a <= x and y <= b for (x, y), (a, b) in zip(sl.src_region, held)), (sl, held)
-            assert all(a <= x and y <= b for (x, y), (a, b) in zip(sl.dst_region, need)), (sl, need)
-            assert sl.num_elements > 0
-            coverage[(sl.param, bucket.dst)][to_slices(sl.dst_region)] += 1
-            elems += sl.num_elements
+            assert all(a <= x and y <= b for (x, y), (a, b) in zip(sl.region, held)), (sl, held)
+            assert all(a <= x and y <= b for (x, y), (a, b) in zip(sl.region, need)), (sl, need)
+            assert region_size(sl.region) > 0
+            coverage[(sl.param, dst)][to_slices(sl.region)] += 1
+            elems += region_size(sl.region)
         return elems
 
     sent, received = Counter(), Counter()
@@ -92,13 +91,12 @@ def check_plan(plan: WeightSyncPlan, params, src_mesh, src_layout, dst_mesh, dst
         assert len(set(senders)) == len(senders) and len(set(receivers)) == len(receivers), rnd
         for b in rnd.buckets:
             assert b.src != b.dst
-            assert b.num_bytes == take(b) * eb
+            assert b.num_bytes == take(b.src, b.dst, b.slices) * eb
             assert 0 < b.num_bytes <= limit
             sent[b.src] += b.num_bytes
             received[b.dst] += b.num_bytes
-    for b in plan.local_copies:
-        assert b.src == b.dst
-        assert b.num_bytes == take(b) * eb
+    for c in plan.local_copies:
+        assert c.num_bytes == take(c.rank, c.rank, c.slices) * eb
 
     # The union of what each destination receives and keeps is exactly its region, once.
     for (name, r), count in coverage.items():
@@ -348,7 +346,7 @@ def test_hand_computed_tp2_to_tp4_on_other_devices() -> None:
     )
 
     def bucket(src: int, dst: int, row: int) -> Bucket:
-        return Bucket(src, dst, (Slice("w", rows(row, row + 1), rows(row, row + 1)),), 8)
+        return Bucket(src, dst, 8, (Slice("w", rows(row, row + 1)),))
 
     assert plan.rounds == (
         TransferRound((bucket(0, 2, 0), bucket(1, 4, 2))),
@@ -368,9 +366,9 @@ def test_hand_computed_tp2_to_tp4_on_overlapping_devices() -> None:
         [w], src_mesh=Mesh.of((0, 1), ((TP, 2),)), src_layout=layout,
         dst_mesh=Mesh.of((0, 1, 2, 3), ((TP, 4),)), dst_layout=layout, bucket_bytes=1 << 20,
     )
-    one = lambda s, d, r: Bucket(s, d, (Slice("w", rows(r, r + 1), rows(r, r + 1)),), 8)  # noqa: E731
+    one = lambda s, d, r: Bucket(s, d, 8, (Slice("w", rows(r, r + 1)),))  # noqa: E731
     assert plan.rounds == (TransferRound((one(0, 1, 1), one(1, 2, 2))), TransferRound((one(1, 3, 3),)))
-    assert plan.local_copies == (one(0, 0, 0),)
+    assert plan.local_copies == (LocalCopy(0, 8, (Slice("w", rows(0, 1)),)),)
     assert plan.total_bytes == 24 and plan.local_bytes == 8
 
 
@@ -382,7 +380,7 @@ def test_a_slice_longer_than_a_bucket_is_cut_to_fill_buckets() -> None:
         src_bytes_per_elem=4, bucket_bytes=48,
     )
     assert [b.num_bytes for b in plan.buckets()] == [40, 40, 40]
-    assert [s.src_region for b in plan.buckets() for s in b.slices] == [
+    assert [s.region for b in plan.buckets() for s in b.slices] == [
         ((0, 2), (0, 5)), ((2, 4), (0, 5)), ((4, 6), (0, 5))
     ]
     assert len(plan.rounds) == 3
@@ -410,7 +408,7 @@ def test_bad_inputs_are_user_errors() -> None:
 # --- end to end with real tensors -------------------------------------------------------------
 
 
-def execute(plan: WeightSyncPlan, params, src_mesh, dst_mesh, full: dict[str, torch.Tensor], dst_dtype) -> dict:
+def execute(plan: DdmaPlan, params, src_mesh, dst_mesh, full: dict[str, torch.Tensor], dst_dtype) -> dict:
     """Run a plan on in-memory shards the way ranks would: pack a flat buffer per bucket, unpack it."""
     src_shards = {}
     for p in params:
@@ -428,11 +426,11 @@ def execute(plan: WeightSyncPlan, params, src_mesh, dst_mesh, full: dict[str, to
 
     def src_view(sl: Slice, rank: int) -> torch.Tensor:
         held = shard_bounds(by_name[sl.param], src_mesh, rank, llama_param_layout(by_name[sl.param]))
-        return src_shards[(sl.param, rank)][local_slices(sl.src_region, held)]
+        return src_shards[(sl.param, rank)][local_slices(sl.region, held)]
 
     def dst_view(sl: Slice, rank: int) -> torch.Tensor:
         need = shard_bounds(by_name[sl.param], dst_mesh, rank, llama_param_layout(by_name[sl.param]))
-        return dst_shards[(sl.param, rank)][local_slices(sl.dst_region, need)]
+        return dst_shards[(sl.param, rank)][local_slices(sl.region, need)]
 
     for rnd in plan.rounds:
         for b in rnd.buckets:
@@ -443,9 +441,9 @@ def execute(plan: WeightSyncPlan, params, src_mesh, dst_mesh, full: dict[str, to
                 view = dst_view(sl, b.dst)
                 view.copy_(wire[offset : offset + view.numel()].reshape(view.shape))
                 offset += view.numel()
-    for b in plan.local_copies:
-        for sl in b.slices:
-            dst_view(sl, b.dst).copy_(src_view(sl, b.src))
+    for c in plan.local_copies:
+        for sl in c.slices:
+            dst_view(sl, c.rank).copy_(src_view(sl, c.rank))
     return dst_shards
 
 
