@@ -26,7 +26,8 @@ import time
 import torch
 
 from graphrl.executors import fp8
-from graphrl.executors.models.llama import Llama, generate, token_logprobs
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.models.sampling import generate, token_logprobs
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 
 

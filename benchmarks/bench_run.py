@@ -39,7 +39,8 @@ from graphrl.compiler.compile import compile_graph, plan_of  # noqa: E402
 from graphrl.compiler.simulate import run_programs  # noqa: E402
 from graphrl.executors import algorithms as alg  # noqa: E402
 from graphrl.executors.launcher import launch_local  # noqa: E402
-from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy  # noqa: E402
+from graphrl.executors.models.llama import Llama  # noqa: E402
+from graphrl.executors.models.sampling import generate, token_logprobs_and_entropy  # noqa: E402
 from graphrl.loader import LoadedJob, job_cluster, load_job  # noqa: E402
 from graphrl.schemas.hardware import HardwareSpec  # noqa: E402
 from graphrl.schemas.job import JobSpec  # noqa: E402

@@ -33,7 +33,8 @@ from graphrl.executors.algorithms import (  # noqa: E402
     kl_penalty,
     policy_loss,
 )
-from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy  # noqa: E402
+from graphrl.executors.models.llama import Llama  # noqa: E402
+from graphrl.executors.models.sampling import generate, token_logprobs_and_entropy  # noqa: E402
 from graphrl.schemas.model import MODEL_PRESETS  # noqa: E402
 from graphrl.tasks import EOS, PAD, REWARDS, TASKS  # noqa: E402
 

@@ -55,7 +55,7 @@ from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8, training
 from graphrl.executors.guards import check_rewards, reward_tensor
 from graphrl.executors.engines import EngineContext, GenerationEngine, GenerationRequest, build_engine
-from graphrl.executors.models.llama import sampling_temperature, token_logprobs_and_entropy, token_values
+from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
 from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
 from graphrl.executors.parallel import copy_full_weights, full_state_dict, gather_in_place, release_gathered

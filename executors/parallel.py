@@ -43,7 +43,8 @@ from torch import Tensor, nn
 
 from graphrl.schemas.sharding import (LLAMA_EMBEDDING, ModuleSpec, TpStyle, fsdp_layer_units, fsdp_shard_dim, llama_modules,
                                       tp_split_problem)
-from graphrl.executors.models.llama import LlamaCritic, PackedSequences, token_logprobs_and_entropy, token_values
+from graphrl.executors.models.llama import LlamaCritic, PackedSequences
+from graphrl.executors.models.sampling import token_logprobs_and_entropy, token_values
 
 
 def _parallel_style(spec: ModuleSpec) -> Any:

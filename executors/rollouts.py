@@ -17,7 +17,7 @@ from torch import Tensor
 
 from graphrl.ops import ROLLOUTS
 
-from graphrl.executors.models.llama import used_response_columns
+from graphrl.executors.models.sampling import used_response_columns
 
 ROLLOUT_FIELDS: tuple[str, ...] = tuple(ROLLOUTS.fields)
 _TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "float32": torch.float32,

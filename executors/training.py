@@ -28,7 +28,7 @@ from graphrl.executors import algorithms as alg
 from graphrl.executors import loss as loss_fns
 from graphrl.executors.guards import check_update
 from graphrl.executors.mismatch import logprob_mismatch
-from graphrl.executors.models.llama import sampling_temperature
+from graphrl.executors.models.sampling import sampling_temperature
 from graphrl.executors.parallel import clip_grad_norm
 from graphrl.executors.roles import RoleState
 from graphrl.executors.runtime import Runtime

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from graphrl.datasets import read_examples
-from graphrl.executors.models.llama import generate
+from graphrl.executors.models.sampling import generate
 from graphrl.models import from_pretrained
 from graphrl.models.tokenizer import decode_responses, encode_left_padded, pad_token_id, prompt_text, stop_token_ids
 from graphrl.rewards import numeric_answer

@@ -103,7 +103,7 @@ class NativeEngine:
         self.module = module
 
     def generate(self, request: GenerationRequest) -> dict[str, Tensor]:
-        from graphrl.executors.models.llama import generate
+        from graphrl.executors.models.sampling import generate
 
         device = request.prompt_ids.device
         n = request.prompt_ids.shape[0]

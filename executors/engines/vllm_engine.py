@@ -160,7 +160,7 @@ class VllmEngine:
         kv_bytes = kv_cache_bytes(module, dtype, context.max_model_len, placement.memory_bytes.kv_cache)
         folder = Path(tempfile.mkdtemp(prefix=f"graphrl-vllm-rank{context.rank}-"))
         try:
-            from graphrl.executors.models.llama import save_hf_state
+            from graphrl.executors.models.hf_checkpoint import save_hf_state
 
             save_hf_state(weights if weights is not None else module.state_dict(), module.dims, folder)  # type: ignore[arg-type]
             parallel = ({"tensor_parallel_size": placement.tp, "distributed_executor_backend": "mp"}

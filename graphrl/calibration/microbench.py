@@ -89,7 +89,7 @@ def measure_vocab(vocab_size: int, sample_rows: int, pass_rows: int, threads: in
     sampling with one uniform per row plus the token's log-prob (`sample_rows` rows, one decode step), a
     log-prob pass's log-softmax, gather and entropy, and a training pass's forward and backward of the
     log-probs (`pass_rows` rows)."""
-    from graphrl.executors.models.llama import _sample
+    from graphrl.executors.models.sampling import sample_tokens
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -99,7 +99,7 @@ def measure_vocab(vocab_size: int, sample_rows: int, pass_rows: int, threads: in
         uniform = torch.rand(sample_rows, generator=g)
 
         def sample() -> None:
-            token = _sample(logits, 0.8, 1.0, None, uniform)
+            token = sample_tokens(logits, 0.8, 1.0, None, uniform)
             torch.log_softmax(logits / 0.8, dim=-1).gather(-1, token[:, None])
 
         pass_logits = torch.randn(pass_rows, vocab_size, generator=g)

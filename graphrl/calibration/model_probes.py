@@ -55,7 +55,7 @@ def _probe_trainer(model: Any, sharding: str, group: Any) -> Any:
 def _probe_generate(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, uniforms: torch.Tensor) -> Any:
     """The executor's sampler on a probe: eos_id -1 never occurs, so every call runs all passes; one
     uniform number per row and token, as the executor draws them."""
-    from graphrl.executors.models.llama import generate
+    from graphrl.executors.models.sampling import generate
     from graphrl.tasks import PAD
 
     return generate(model, prompt_ids, prompt_mask, uniforms.shape[1], temperature=1.0, top_p=1.0,
@@ -90,7 +90,8 @@ def probe_model_code(
     """Time generation, a log-prob forward and a training step (GRPO/PPO loss, gradient clipping,
     AdamW) as the executor runs them, on `dims` at every depth in `layers` and batch in `batches`, in
     the dtype of `dtype_bytes` bytes, with this process's torch threads."""
-    from graphrl.executors.models.llama import Llama, token_logprobs_and_entropy
+    from graphrl.executors.models.llama import Llama
+    from graphrl.executors.models.sampling import token_logprobs_and_entropy
 
     # Side by side on several processes, the probe trains data-parallel over all of them (DDP on gloo), as
     # the ranks of a run do: its step includes the gradient reduction and the loss's all-reduces.
@@ -139,7 +140,8 @@ def probe_layouts(dims: ModelDims = MODEL_PRESETS["tiny-digits"], layers: tuple[
     them, and generation on one tensor-parallel replica over all of them, as the executor runs them."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from graphrl.executors.models.llama import Llama, token_logprobs_and_entropy
+    from graphrl.executors.models.llama import Llama
+    from graphrl.executors.models.sampling import token_logprobs_and_entropy
     from graphrl.executors.parallel import shard_frozen
     from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 

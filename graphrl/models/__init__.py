@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from graphrl.executors.models.llama import Llama, save_hf_checkpoint
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.models.hf_checkpoint import save_hf_checkpoint
 from graphrl.models.checkpoints import checkpoint_dims, is_gguf, load_state
 from graphrl.models.tokenizer import Tokenizer, load_tokenizer
 from graphrl.schemas.model import ModelDims
@@ -139,7 +140,7 @@ def export_trained(folder: str | Path, dims: ModelDims, weights: dict[str, torch
     """A trained policy's weights as a Hugging Face folder, with the tokenizer of the checkpoint it began from."""
     from safetensors.torch import save_file
 
-    from graphrl.executors.models.llama import hf_config_from_dims
+    from graphrl.executors.models.hf_checkpoint import hf_config_from_dims
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

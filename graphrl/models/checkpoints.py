@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from graphrl.errors import DataError, GraphRLError
-from graphrl.executors.models.llama import dims_from_hf_config, load_hf_checkpoint, param_shapes
+from graphrl.executors.models.llama import param_shapes
+from graphrl.executors.models.hf_checkpoint import dims_from_hf_config, load_hf_checkpoint
 from graphrl.schemas.model import ModelDims
 
 

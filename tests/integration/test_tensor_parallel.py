@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from graphrl.compiler import weight_sync
-from graphrl.executors.models.llama import Llama, generate
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.models.sampling import generate
 from graphrl.executors.local_world import run_on_ranks
 from graphrl.executors.parallel import trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama

@@ -126,7 +126,7 @@ def _native(model, request):  # noqa: ANN001, ANN202
 
 
 def test_behaviour_logprobs_agree_with_teacher_forced_logprobs(engine_and_model) -> None:
-    from graphrl.executors.models.llama import sampling_temperature, token_logprobs_and_entropy
+    from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy
 
     engine, model = engine_and_model
     piece = engine.generate(_request(seed=9, temperature=0.7))
@@ -191,7 +191,8 @@ def _tensor_parallel_replica(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from graphrl.executors.engines import EngineContext, build_engine
-    from graphrl.executors.models.llama import Llama, sampling_temperature, token_logprobs_and_entropy
+    from graphrl.executors.models.llama import Llama
+    from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy
     from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
     from graphrl.schemas.plan import MemoryBytes, RolePlacement
 

@@ -127,7 +127,8 @@ def test_mismatch_figures() -> None:
 
 
 def test_native_engine_samples_from_the_response_seeds() -> None:
-    from graphrl.executors.models.llama import Llama, generate
+    from graphrl.executors.models.llama import Llama
+    from graphrl.executors.models.sampling import generate
     from graphrl.schemas.model import MODEL_PRESETS
 
     torch.manual_seed(0)

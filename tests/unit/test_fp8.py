@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from graphrl.compiler import cost
 from graphrl.executors import fp8
-from graphrl.executors.models.llama import Llama, generate, token_logprobs
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.models.sampling import generate, token_logprobs
 from graphrl.executors.weightsync import module_shards
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 

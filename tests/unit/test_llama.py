@@ -15,20 +15,9 @@ import torch
 from torch import nn
 
 from graphrl.errors import GraphRLError
-from graphrl.executors.models.llama import (
-    KVCache,
-    Llama,
-    LlamaCritic,
-    count_params,
-    dims_from_hf_config,
-    generate,
-    load_hf_checkpoint,
-    param_shapes,
-    save_hf_checkpoint,
-    token_logprobs,
-    token_logprobs_and_entropy,
-    token_values,
-)
+from graphrl.executors.models.llama import KVCache, Llama, LlamaCritic, count_params, param_shapes
+from graphrl.executors.models.sampling import generate, token_logprobs, token_logprobs_and_entropy, token_values
+from graphrl.executors.models.hf_checkpoint import dims_from_hf_config, load_hf_checkpoint, save_hf_checkpoint
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 
 DIMS = MODEL_PRESETS["tiny-digits"]  # hidden 64, 2 layers, 4 query heads over 2 KV heads, vocab 16

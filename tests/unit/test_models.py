@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphrl.errors import GraphRLError
-from graphrl.executors.models.llama import generate
+from graphrl.executors.models.sampling import generate
 from graphrl.models import checkpoint_dims, from_pretrained, save_pretrained
 
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,8 @@ import torch
 
 from graphrl.executors import loss as loss_fns
 from graphrl.executors import training
-from graphrl.executors.models.llama import (Llama, LlamaCritic, PackedSequences, token_logprobs_and_entropy,
-                                            token_values)
+from graphrl.executors.models.llama import Llama, LlamaCritic, PackedSequences
+from graphrl.executors.models.sampling import token_logprobs_and_entropy, token_values
 from graphrl.schemas.job import AlgorithmSpec
 from graphrl.schemas.model import MODEL_PRESETS
 

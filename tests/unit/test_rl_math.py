@@ -19,8 +19,9 @@ import torch
 
 from graphrl.executors import algorithms as alg
 from graphrl.executors import loss as loss_fns
-from graphrl.executors.models.llama import (Llama, generate, logprob_temperature_of, sampling_temperature,
-                                            token_logprobs, token_logprobs_and_entropy)
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.models.sampling import (generate, logprob_temperature_of, sampling_temperature,
+                                               token_logprobs, token_logprobs_and_entropy)
 from graphrl.schemas.job import AlgorithmSpec
 from graphrl.schemas.model import MODEL_PRESETS
 

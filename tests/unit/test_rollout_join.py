@@ -85,7 +85,7 @@ def test_the_wire_carries_the_bytes_the_plan_charges(n: int, prompt_len: int, re
 def test_a_piece_crosses_the_wire_cut_to_its_longest_response_and_arrives_whole() -> None:
     """The sender sends the response columns up to its longest response; the receiver pads them back, so
     the piece it holds is the one that was sent (pads as the pad id, masks False, log-probs 0)."""
-    from graphrl.executors.models.llama import used_response_columns
+    from graphrl.executors.models.sampling import used_response_columns
     from graphrl.executors.rollouts import recv_piece, send_piece
 
     class Wire:

@@ -18,7 +18,8 @@ import torch
 from graphrl.executors import algorithms as alg
 from graphrl.executors import loss as loss_fns
 from graphrl.executors import training
-from graphrl.executors.models.llama import Llama, LlamaCritic, sampling_temperature, token_logprobs_and_entropy, token_values
+from graphrl.executors.models.llama import Llama, LlamaCritic
+from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.parallel import build_optimizer, wrap_trainer
 from graphrl.executors.roles import RoleState
 from graphrl.executors.runtime import Runtime

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from graphrl.executors.local_world import run_on_ranks
 from graphrl.executors import training
 from graphrl.executors import parallel
-from graphrl.executors.models.llama import Llama, generate, token_logprobs_and_entropy
+from graphrl.executors.models.llama import Llama
+from graphrl.executors.models.sampling import generate, token_logprobs_and_entropy
 from graphrl.executors.parallel import (build_optimizer, full_state_dict, gather_in_place, trainer_mesh_groups,
                                         wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.roles import RoleState

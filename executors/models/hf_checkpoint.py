@@ -1,0 +1,197 @@
+"""Hugging Face checkpoint folders for the native model (`llama.py`): `config.json` <-> `ModelDims`, and
+safetensors weights read and written under Hugging Face's parameter names, so a trained policy is a folder
+`transformers` loads and a Hugging Face Llama loads into the executors' model.
+
+Apart from the model so that file formats and the model's definition change independently.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from graphrl.errors import GraphRLError
+from graphrl.schemas.model import ModelDims, RopeScaling
+
+from graphrl.executors.models.llama import Llama, LlamaCritic, param_shapes
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+
+
+def _checkpoint_error(folder: Path, message: str, fix: str) -> GraphRLError:
+    return GraphRLError(f"checkpoint {folder}: {message}", fix=fix)
+
+
+def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
+    """ModelDims from a HF Llama `config.json` (transformers 4.x `rope_theta` or 5.x `rope_parameters`).
+
+    Raises GraphRLError for architectures this model cannot represent (biases, non-SiLU, odd head_dim)
+    and warns when a RoPE scaling is ignored.
+    """
+    model_type = config.get("model_type", "llama")
+    if model_type != "llama":
+        raise GraphRLError(
+            f"config.json has model_type {model_type!r}; only 'llama' checkpoints are supported",
+            fix="use a Llama-architecture checkpoint",
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag, False):
+            raise GraphRLError(f"config.json sets {flag}=true; this Llama has no biases", fix="use a bias-free checkpoint")
+    if config.get("hidden_act", "silu") != "silu":
+        raise GraphRLError(
+            f"config.json has hidden_act {config['hidden_act']!r}; only 'silu' (SwiGLU) is supported",
+            fix="use a Llama checkpoint with hidden_act 'silu'",
+        )
+    num_heads = int(config["num_attention_heads"])
+    hidden_size = int(config["hidden_size"])
+    head_dim = config.get("head_dim")
+    if head_dim is not None and int(head_dim) * num_heads != hidden_size:
+        raise GraphRLError(
+            f"config.json has head_dim {head_dim} but hidden_size/num_attention_heads = {hidden_size // num_heads}",
+            fix="use a checkpoint whose head_dim equals hidden_size / num_attention_heads",
+        )
+
+    rope = config.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = config.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_scaling = None
+    if rope_type == "llama3":
+        rope_scaling = RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_seq_len=int(scaling["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        warnings.warn(
+            f"RoPE scaling {rope_type!r} in config.json is ignored (only 'llama3' scaling is supported); "
+            "logits will differ from Hugging Face's, mostly at long positions",
+            stacklevel=2,
+        )
+    return ModelDims(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        max_seq_len=int(config.get("max_position_embeddings", 2048)),  # HF LlamaConfig default
+        rope_theta=rope_theta,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
+    )
+
+
+def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A `config.json` that both transformers 4.x (`rope_theta`) and 5.x (`rope_parameters`) read."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if dims.rope_scaling is not None:
+        rope = {
+            "rope_type": "llama3",
+            "factor": dims.rope_scaling.factor,
+            "low_freq_factor": dims.rope_scaling.low_freq_factor,
+            "high_freq_factor": dims.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": dims.rope_scaling.original_max_seq_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_hidden_layers": dims.num_layers,
+        "num_attention_heads": dims.num_heads,
+        "num_key_value_heads": dims.num_kv_heads,
+        "head_dim": dims.head_dim,
+        "max_position_embeddings": dims.max_seq_len,
+        "rope_theta": dims.rope_theta,
+        "rope_parameters": {**rope, "rope_theta": dims.rope_theta},
+        "rope_scaling": rope if dims.rope_scaling is not None else None,
+        "rms_norm_eps": dims.norm_eps,
+        "tie_word_embeddings": dims.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype_name,
+    }
+
+
+def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]]:
+    """(dims, state_dict) from a HF Llama folder: config.json + model.safetensors or sharded shards.
+
+    The state dict loads into `Llama(dims)` (or `LlamaCritic(dims)` when it holds `value_head.weight`)
+    with `strict=True`: a tied checkpoint's duplicate `lm_head.weight` and old `rotary_emb.inv_freq`
+    buffers are dropped; anything missing or misshapen is an error here, not at load_state_dict.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise _checkpoint_error(folder, "has no config.json", "point `checkpoint` at a Hugging Face model folder")
+    dims = dims_from_hf_config(json.loads(config_path.read_text()))
+
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        shard_files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        shard_files = sorted(folder.glob("*.safetensors"))
+    if not shard_files:
+        raise _checkpoint_error(
+            folder, "has no *.safetensors weights", "convert the checkpoint with save_pretrained(safe_serialization=True)"
+        )
+    state_dict: dict[str, Tensor] = {}
+    for shard in shard_files:
+        state_dict.update(load_file(str(shard)))
+
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if dims.tie_embeddings:
+        state_dict.pop("lm_head.weight", None)
+    expected = param_shapes(dims, "value" if "value_head.weight" in state_dict else "lm")
+    missing = [name for name in expected if name not in state_dict]
+    unexpected = [name for name in state_dict if name not in expected]
+    wrong = [
+        f"{name} {tuple(state_dict[name].shape)} != {shape}"
+        for name, shape in expected.items()
+        if name in state_dict and tuple(state_dict[name].shape) != shape
+    ]
+    if missing or unexpected or wrong:
+        details = "; ".join(
+            part
+            for part in (
+                f"missing {missing[:3]}" if missing else "",
+                f"unexpected {unexpected[:3]}" if unexpected else "",
+                f"wrong shapes {wrong[:3]}" if wrong else "",
+            )
+            if part
+        )
+        raise _checkpoint_error(folder, f"weights do not match config.json ({details})", "use an unmodified Llama checkpoint")
+    return dims, {name: state_dict[name] for name in expected}
+
+
+def save_hf_checkpoint(model: Llama | LlamaCritic, dims: ModelDims, folder: str | Path) -> None:
+    """Write config.json + model.safetensors that `transformers` and `load_hf_checkpoint` read back."""
+    save_hf_state(model.state_dict(), dims, folder)
+
+
+def save_hf_state(state: Mapping[str, Tensor], dims: ModelDims, folder: str | Path) -> None:
+    """`save_hf_checkpoint` of named full tensors (a model whose weights were gathered from shards)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state_dict = {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}
+    dtype = next(iter(state_dict.values())).dtype
+    (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
+    # HF refuses safetensors files without format metadata.
+    save_file(state_dict, str(folder / "model.safetensors"), metadata={"format": "pt"})
