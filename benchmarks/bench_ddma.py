@@ -3,7 +3,7 @@
 Each case plans one trainer -> generator weight sync for a Llama 3 preset and prints the planning
 time (wall and CPU, best of --repeat), the rounds, the bytes on links against the lower bound,
 and the send balance (max / mean bytes over sending ranks). A case whose label ends in fp8 plans the sync
-into an fp8 generator, in staging groups of layers one after the other (`graphrl.ddma.sync_staging_layers`),
+into an fp8 generator, in staging groups of layers one after the other (`graphrl.compiler.ddma.sync_staging_layers`),
 beside the same layout into bf16.
 
     python benchmarks/bench_ddma.py [--bucket-mib 256] [--repeat 3] [--json]
@@ -15,7 +15,7 @@ import argparse
 import json
 import time
 
-from graphrl.ddma import plan_summary, plan_weight_sync, sync_staging_layers
+from graphrl.compiler.ddma import plan_summary, plan_weight_sync, sync_staging_layers
 from graphrl.schemas.sharding import Mesh, MeshAxis, llama_param_layout, llama_params, staging_group
 from graphrl.schemas.model import MODEL_PRESETS
 

@@ -111,14 +111,12 @@ def bench_case(rank: int, dims: ModelDims, data: WeightSyncRecord, dtype: torch.
 
     # Raw: the same elements per (sender, receiver) pair, one flat tensor each.
     per_pair: dict[tuple[int, int], int] = {}
-    for round_ in data.rounds:
-        for b_src, b_dst, _, slices in round_:
-            n = sum(_numel(region) for _, region in slices)
-            per_pair[(b_src, b_dst)] = per_pair.get((b_src, b_dst), 0) + n
+    for b_src, b_dst, _, slices in data.buckets():
+        n = sum(_numel(region) for _, region in slices)
+        per_pair[(b_src, b_dst)] = per_pair.get((b_src, b_dst), 0) + n
     out_bufs = {d: torch.randn(n).to(dtype) for (s, d), n in per_pair.items() if s == rank}
     in_bufs = {s: torch.empty(n, dtype=dtype) for (s, d), n in per_pair.items() if d == rank}
-    local = sum(_numel(region) for owner, _, slices in data.local if owner == rank
-                for _, region in slices)
+    local = sum(_numel(region) for _, _, slices in data.local_copies(rank) for _, region in slices)
     local_src, local_dst = torch.randn(local).to(dtype), torch.empty(local, dtype=dtype)
 
     def raw() -> None:

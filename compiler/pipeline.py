@@ -35,7 +35,7 @@ from graphrl.compiler.weight_sync import check_weight_sync, plan_policy_sync, wi
 SIMULATE_RANKING_STEPS = 6
 # The programs those simulations run: written out whole, as the simulator expands them anyway (a loop
 # folded from longer transcripts and checked would give the same instructions, at twice the work).
-RANKING_SETTINGS = ProgramSettings(steps=SIMULATE_RANKING_STEPS, checkpoint_every=0, periodic=False)
+RANKING_SETTINGS = ProgramSettings(steps=SIMULATE_RANKING_STEPS, checkpoint_every=0, periodic=False, stored=False)
 
 
 @compiler_pass("typecheck", ensures=("types",))
@@ -80,7 +80,7 @@ def reshard_pass(s: Compilation, ctx: CompileContext) -> Compilation:
 
 def _check_weight_sync(s: Compilation) -> list[str]:
     placed = need(s.placement, "placement")
-    return check_weight_sync(need(s.weight_sync, "weight_sync"), placed.shape, placed.chosen)
+    return check_weight_sync(need(s.weight_sync, "weight_sync"), placed.shape, placed.chosen, s.settings.stored)
 
 
 @compiler_pass("weight_sync", requires=("placement",), ensures=("weight_sync",), spec=_check_weight_sync)
@@ -88,7 +88,7 @@ def weight_sync_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """How each new policy version reaches the generator: DDMA copy or in-place reshard; the layout's
     operation then shows the planned sync's cost (the search timed it from the layout alone)."""
     placed = need(s.placement, "placement")
-    sync = plan_policy_sync(placed.shape, placed.chosen, placed.durations)
+    sync = plan_policy_sync(placed.shape, placed.chosen, placed.durations, stored=s.settings.stored)
     return replace(s, weight_sync=sync, placement=replace(placed, chosen=with_sync_timed(placed.chosen, sync)))
 
 
@@ -177,7 +177,7 @@ def baseline_programs(s: Compilation, ctx: CompileContext, steps: int) -> Progra
     if placed.baseline is None or placed.baseline_durations is None:
         return None
     return programs_on(s, ctx, placed.baseline, placed.baseline_durations,
-                       ProgramSettings(steps=steps, mode="sync", periodic=False))
+                       ProgramSettings(steps=steps, mode="sync", periodic=False, stored=False))
 
 
 @compiler_pass("estimate", requires=("placement", "programs"), ensures=("placement",))

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from graphrl.errors import PlacementError
-from graphrl.ddma import DDMA_BUCKET_BYTES
 from graphrl.engine_support import ENGINE_PRECISIONS, engine_sleeps
 from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.mesh import Mesh
@@ -43,6 +42,7 @@ from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
 from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
                                          train_cfgs)
+from graphrl.compiler.ddma import DDMA_BUCKET_BYTES
 from graphrl.compiler.memory import (MeshMemory, engine_resident, gen_kv_per_token, gen_per_sequence, gen_sync_staging,
                                      gen_weights, held_weights, infer_state, reads_trainer, resident_while_generating,
                                      train_state, trainer_mesh_memory)

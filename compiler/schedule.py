@@ -95,6 +95,9 @@ class ProgramSettings:
     """Steps between checkpoints; None: the job's."""
     periodic: bool = True
     """One loop per rank; False unrolls the whole run (the reference the loop is checked against)."""
+    stored: bool = True
+    """Programs a plan stores for its ranks; False for programs only simulated (the ranking, the baseline),
+    which need no DDMA plan of a colocated reshard (its time is the layout's own)."""
 
     @classmethod
     def of(cls, job: JobSpec) -> "ProgramSettings":

@@ -1,15 +1,14 @@
 """The weight-sync stage: how each new version of the policy's weights reaches the generator.
 
-Disaggregated layouts get one DDMA plan (graphrl.ddma) per trained model that generates:
+Disaggregated layouts get one DDMA plan (`graphrl.compiler.ddma`) per trained model that generates:
 the trainer's shards intersected with the generator's shards per parameter, bucketed, in
 contention-free rounds, stored in the plan as a `WeightSyncRecord` and run by a `WeightSync` group
 instruction. Colocated layouts reshard in place (`ReshardInPlace`): the same devices hold both roles.
-Executors fill a tensor-parallel generator there by the same planner (`graphrl.ddma.rank_sync_record`, planned
-when the run starts, not stored: on large meshes the rounds would dominate the plan and its compile
-time): each rank copies what its own trainer shards hold and receives the rest (with an fsdp trainer
-as wide as the generator's tp, only the norms cross; see `fsdp_shard_dim`), where gathering the whole
-model on every rank would need a full transient copy per device and tp times the traffic. A plan
-too large to store its DDMA rounds (`graphrl.ddma.MAX_STORED_BUCKETS`) is replanned the same way.
+A tensor-parallel generator is filled there by a DDMA plan of the same planner, stored the same way: each
+rank copies what its own trainer shards hold and receives the rest (with an fsdp trainer as wide as the
+generator's tp, only the norms cross; see `fsdp_shard_dim`), where gathering the whole model on every rank
+would need a full transient copy per device and tp times the traffic. Every record holds all its rounds,
+however many (`graphrl.schemas.weightsync`): ranks run the plan, they never plan.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from graphrl.schemas.weightsync import WeightSyncKind, WeightSyncRecord
 
 from graphrl.compiler import timing
 from graphrl.compiler.cost import BF16_BYTES
-from graphrl.ddma import DDMA_BUCKET_BYTES, gc_paused, plan_llama_sync, sync_record
+from graphrl.compiler.ddma import DDMA_BUCKET_BYTES, gc_paused, plan_llama_sync, sync_record
 from graphrl.compiler.roles import JobShape
 
 
@@ -42,22 +41,37 @@ class WeightSyncPlan:
     seconds: float
     """Predicted seconds of one sync."""
     record: WeightSyncRecord | None = None
-    """The DDMA plan the executors run (`ddma` only)."""
+    """The DDMA plan the executors run: a `ddma` copy's, or an `in_place` reshard's into a tensor-parallel
+    generator (`needs_record`)."""
 
 
-def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey, float]) -> WeightSyncPlan:
+def needs_record(kind: WeightSyncKind, gen_tp: int) -> bool:
+    """Whether a sync runs a DDMA plan: a copy between meshes, or a colocated reshard into a tensor-parallel
+    generator (its ranks fill their shards; a tp-1 generator is copied or read whole)."""
+    return kind == "ddma" or (kind == "in_place" and gen_tp > 1)
+
+
+def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey, float], *,
+                     stored: bool = True) -> WeightSyncPlan:
     """The policy's weight sync on `layout`: a colocated reshard timed by placement (`durations`), or a
-    DDMA copy planned and timed here."""
+    DDMA copy planned and timed here. A colocated reshard into a tensor-parallel generator gets its DDMA
+    plan where the programs are `stored` for ranks to run (`ProgramSettings.stored`)."""
     policy = shape.policy
     transfer = f"{policy.model}:trainer->generator"
     gen_role = shape.generator
     if gen_role is None:
         return WeightSyncPlan("none", transfer, 0.0)
-    if layout.strategy == "colocated":
-        return WeightSyncPlan("in_place", transfer, durations[CostKey("ReshardInPlace", policy.model)])
     train, gen = shape.policy_meshes(layout)
     placement = next(p for p in layout.placements if p.role == gen_role.name)
     precision = placement.precision
+    assert gen is not None
+    if layout.strategy == "colocated":
+        seconds = durations[CostKey("ReshardInPlace", policy.model)]
+        if not (stored and needs_record("in_place", placement.tp)):
+            return WeightSyncPlan("in_place", transfer, seconds)
+        record, _ = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
+                                precision)
+        return WeightSyncPlan("in_place", transfer, seconds, record.model_copy(update={"predicted_s": seconds}))
     record, seconds = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
                                   precision)
     if placement.engine != "native":  # the engine then takes the delivered weights into its own
@@ -70,7 +84,7 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
 def with_sync_timed(layout: Layout, sync: WeightSyncPlan) -> Layout:
     """`layout` whose weight-sync operation (the preview's) carries the sync's own seconds and bytes: the
     figures the programs are timed with, so a plan shows one cost for one sync."""
-    if sync.record is None:
+    if sync.kind != "ddma" or sync.record is None:
         return layout
     operations = [op.model_copy(update={"time_s": sync.seconds, "num_bytes": sync.record.summary.total_bytes})
                   if op.kind == "weight_sync" else op for op in layout.operations]
@@ -80,7 +94,7 @@ def with_sync_timed(layout: Layout, sync: WeightSyncPlan) -> Layout:
 @functools.lru_cache(maxsize=16)
 def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
                 precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
-    """Plan the trainer -> generator weight copy (`graphrl.ddma`); return (the record the plan stores,
+    """Plan the trainer -> generator weight copy (`graphrl.compiler.ddma`); return (the record the plan stores,
     predicted seconds: each round as long as its largest bucket on the links it crosses).
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
@@ -94,10 +108,10 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
     return record, seconds
 
 
-def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> list[str]:
-    """The stage's spec: the kind matches the strategy; a DDMA record copies between the layout's own
-    meshes, no rank sends or receives twice in a round, every bucket stays within the size limit, and
-    the stored buckets add up to the summary's bytes."""
+def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout, stored: bool = True) -> list[str]:
+    """The stage's spec: the kind matches the strategy; a sync that runs a DDMA plan has its record, which
+    copies between the layout's own meshes, no rank sends or receives twice in a round, every bucket stays
+    within the size limit, and the stored buckets add up to the summary's bytes."""
     gen_role = shape.generator
     expected = "none" if gen_role is None else ("in_place" if layout.strategy == "colocated" else "ddma")
     if plan.kind != expected:
@@ -106,29 +120,32 @@ def check_weight_sync(plan: WeightSyncPlan, shape: JobShape, layout: Layout) -> 
     if not plan.seconds >= 0:
         return [f"predicted sync time {plan.seconds} s"]
     record = plan.record
-    if plan.kind != "ddma":
-        return [] if record is None else ["a record for a sync that is not DDMA"]
-    assert record is not None
+    gen_tp = next((p.tp for p in layout.placements if gen_role is not None and p.role == gen_role.name), 1)
+    if not needs_record(plan.kind, gen_tp) or (plan.kind == "in_place" and not stored):
+        return [] if record is None else [f"a record for a '{plan.kind}' sync that runs no DDMA plan"]
+    if record is None:
+        return [f"a '{plan.kind}' sync into a tp-{gen_tp} generator without its DDMA record"]
     train, gen = shape.policy_meshes(layout)
     problems = []
     if record.src != train:
         problems.append("the record's source mesh is not the trainer's mesh")
     if record.dst != gen:
         problems.append("the record's destination mesh is not the generator's mesh")
-    if record.rounds is not None:
-        wire = 0
-        for k, round_ in enumerate(record.rounds):
-            srcs, dsts = [b.src for b in round_], [b.dst for b in round_]
-            if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-                problems.append(f"round {k}: a rank sends or receives twice")
-            if any(b.num_bytes > record.bucket_bytes for b in round_):
-                problems.append(f"round {k}: a bucket exceeds {record.bucket_bytes} bytes")
-            wire += sum(b.num_bytes for b in round_)
-        if wire != record.summary.total_bytes:
-            problems.append(f"buckets hold {wire} bytes, the summary says {record.summary.total_bytes}")
-        if record.group_rounds and sum(record.group_rounds) != len(record.rounds):
-            problems.append(f"its staging groups hold {sum(record.group_rounds)} rounds, not {len(record.rounds)}")
+    wire = 0
+    columns, contents = record.columns, record.contents
+    for k, round_ in enumerate(record.rounds):
+        srcs, dsts = columns[round_.src], columns[round_.dst]
+        sizes = [contents[c].num_bytes for c in columns[round_.contents]]
+        if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+            problems.append(f"round {k}: a rank sends or receives twice")
+        if max(sizes, default=0) > record.bucket_bytes:
+            problems.append(f"round {k}: a bucket exceeds {record.bucket_bytes} bytes")
+        wire += sum(sizes)
+    if wire != record.summary.total_bytes:
+        problems.append(f"buckets hold {wire} bytes, the summary says {record.summary.total_bytes}")
+    if record.group_rounds and sum(record.group_rounds) != len(record.rounds):
+        problems.append(f"its staging groups hold {sum(record.group_rounds)} rounds, not {len(record.rounds)}")
     return problems
 
 
-__all__ = ["WeightSyncPlan", "check_weight_sync", "ddma_record", "plan_policy_sync", "with_sync_timed"]
+__all__ = ["WeightSyncPlan", "check_weight_sync", "ddma_record", "needs_record", "plan_policy_sync", "with_sync_timed"]

@@ -50,7 +50,6 @@ from graphrl.datasets import prompt_source
 from graphrl.rewards import RewardRuleError, combined_reward
 from graphrl.tasks import REWARDS, resolve_callable
 
-from graphrl.ddma import rank_sync_record
 from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8, training
 from graphrl.executors.guards import check_rewards, reward_tensor
@@ -105,8 +104,6 @@ class RankExecutor:
         self.rank = runtime.rank
         self.out_dir = out_dir
         self.programs = plan.programs
-        # This rank's part of each weight sync the plan holds no rounds for, planned at its first use.
-        self.replanned_syncs: dict[str, WeightSyncRecord] = {}
         if plan.bindings is None:
             raise RunError("the plan binds no nodes or roles for the executors", fix="compile it again")
         self.bindings = plan.bindings
@@ -593,24 +590,16 @@ class RankExecutor:
         self.rt.move_state(self.roles[ins.role], ins.state, to_host=False)
         self.roles[ins.role].offloaded -= set(ins.state)
 
-    def _sync_record(self, model: str, stored: WeightSyncRecord | None = None) -> WeightSyncRecord:
-        """The DDMA plan this rank runs for `model`'s sync: the stored one, or, where the plan holds no
-        rounds (a colocated tensor-parallel generator; too many buckets to store), this rank's part of
-        the same planner's, planned at the first sync of the run and checked against the stored summary."""
-        if stored is not None and stored.rounds is not None:
-            return stored
-        record = self.replanned_syncs.get(model)
+    def _sync_record(self, model: str) -> WeightSyncRecord:
+        """The DDMA plan of `model`'s colocated reshard into a tensor-parallel generator, as the plan stores it."""
+        record = next((r for r in self.programs.weight_syncs.values() if r.model == model), None)
         if record is None:
-            record = rank_sync_record(self.plan, model, self.rank)
-            if stored is not None and record.summary != stored.summary:
-                raise RunError(f"the weight sync of {model} replanned here differs from the plan's "
-                               f"({record.summary.num_buckets} buckets, the plan says {stored.summary.num_buckets})",
-                               fix="run the plan with the graphrl version that compiled it, or compile it again")
-            self.replanned_syncs[model] = record
+            raise RunError(f"the plan holds no weight-sync plan to fill the tensor-parallel generator of {model}",
+                           fix="compile the job again with this graphrl")
         return record
 
     def weight_sync(self, ins: WeightSync) -> None:
-        data = self._sync_record(ins.model, self.programs.weight_syncs[ins.transfer])
+        data = self.programs.weight_syncs[ins.transfer]
         src_role = self.roles.get(ins.src_role)
         dst_role = self.roles.get(ins.dst_role)
         if src_role is not None and src_role.placement.kind == "train" and src_role.version != ins.version:

@@ -20,7 +20,8 @@ Each rank reads the plan once per shard layout into its messages and local copie
 (`RankSync`), so a sync of every step spends its host time slicing and posting, not re-reading the
 plan (a few hundred microseconds otherwise, on the critical path before the first byte moves).
 
-`execute_weight_sync` runs the stored plan (what `compiler/weight_sync.py:ddma_record` writes) on shards;
+`execute_weight_sync` runs the stored plan (what `compiler/weight_sync.py:ddma_record` writes) on shards, all
+of it or one staging group;
 `run_weight_sync` is the executor's entry point for whole modules: full, FSDP2-sharded (DTensor) or
 tensor-parallel generators (`tensor_parallel.py`), whose shards are the plan's regions, in the model's
 dtype or in fp8 (`fp8.py`: received into full-precision staging, quantized on arrival).
@@ -38,7 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from graphrl.errors import RunError
 from graphrl.schemas.sharding import Region, staging_group
-from graphrl.schemas.weightsync import LocalCopy, WeightSyncRecord
+from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.executors import fp8
 from graphrl.executors.tensor_parallel import TensorParallelLlama
 
@@ -58,22 +59,20 @@ def execute_weight_sync(
     device: torch.device,
     *,
     wire_dtype: torch.dtype,
+    group: int | None = None,
 ) -> None:
-    """This rank's part of every round of one stored weight sync (sender, receiver, or both).
+    """This rank's part of every round of one stored weight sync (sender, receiver, or both); with `group`,
+    of that staging group's rounds and local copies only (`WeightSyncRecord.group_rounds`).
 
     `src_shards` are the trainer shards this rank holds, `dst_shards` the generator shards it fills
     (either may be empty). `wire_dtype` is the senders' dtype, what crosses the link; every rank of
     the sync must pass the same one (a receiver cannot infer it). Buffers live on `comm_device`;
     received bytes are unpacked on `device`.
 
-    The plan is read once per (plan, rank, shard layout) into this rank's messages and local copies
+    The plan is read once per (plan, rank, group, shard layout) into this rank's messages and local copies
     as index tuples into its shards (`_rank_sync`); a sync then only slices, posts and copies.
     """
-    if data.rounds is None:
-        raise RunError(f"the weight sync of {data.model} holds only its summary ({data.summary.num_buckets} "
-                       "buckets), no rounds to run",
-                       fix="pass this rank's part of the plan (graphrl.ddma.rank_sync_record)")
-    program = _rank_sync(data, rank, src_shards, dst_shards, wire_dtype)
+    program = _rank_sync(data, rank, src_shards, dst_shards, wire_dtype, group)
     src = {name: tensor for name, (tensor, _) in src_shards.items()}
     dst = {name: tensor for name, (tensor, _) in dst_shards.items()}
 
@@ -119,17 +118,18 @@ class RankSync(NamedTuple):
     local: tuple[tuple[str, Index, Index], ...]  # shard name, index into the destination, into the source
 
 
-_RANK_SYNCS: dict[tuple[int, int], tuple[WeightSyncRecord, Any, RankSync]] = {}
+_RANK_SYNCS: dict[tuple[int, int, int | None], tuple[WeightSyncRecord, Any, RankSync]] = {}
 
 
 def _rank_sync(data: WeightSyncRecord, rank: int, src_shards: ShardMap, dst_shards: ShardMap,
-               wire_dtype: torch.dtype) -> RankSync:
-    """This rank's messages and local copies, checked against its shards (each shard's shape is its
-    region's, the plan's regions lie inside the shards, sources are of the wire dtype), and kept for
-    the next sync of the same plan on the same shard layout. Only index tuples are kept, never views:
-    a view would hold on to memory that offloading or resharding a parameter means to free."""
+               wire_dtype: torch.dtype, group: int | None = None) -> RankSync:
+    """This rank's messages and local copies (of staging group `group`, or of all), checked against its
+    shards (each shard's shape is its region's, the plan's regions lie inside the shards, sources are of
+    the wire dtype), and kept for the next sync of the same plan on the same shard layout. Only index tuples
+    are kept, never views: a view would hold on to memory that offloading or resharding a parameter means to
+    free."""
     layout = (wire_dtype, _layout(src_shards), _layout(dst_shards))
-    cached = _RANK_SYNCS.get((id(data), rank))
+    cached = _RANK_SYNCS.get((id(data), rank, group))
     if cached is not None and cached[0] is data and cached[1] == layout:
         return cached[2]
     src = _checked(src_shards, "source", rank)
@@ -138,11 +138,15 @@ def _rank_sync(data: WeightSyncRecord, rank: int, src_shards: ShardMap, dst_shar
         if tensor.dtype != wire_dtype:
             raise RunError(f"rank {rank}: source shard {name} is {tensor.dtype}, but the wire dtype is {wire_dtype}",
                            fix="pass the senders' dtype as wire_dtype; the receiver casts")
+    first, stop = 0, len(data.rounds)
+    if group is not None:
+        first = sum(data.group_rounds[:group])
+        stop = first + data.group_rounds[group]
     rounds = []
-    for round_ in data.rounds:  # type: ignore[union-attr]
+    for k in range(first, stop):
         sends: list[Message] = []
         recvs: list[Message] = []
-        for b_src, b_dst, _, slices in round_:
+        for b_src, b_dst, _, slices in data.round_buckets(k, rank):
             for mine, shards, side, peer, out in ((b_src == rank, src, "source", b_dst, sends),
                                                   (b_dst == rank, dst, "destination", b_src, recvs)):
                 if mine:
@@ -151,11 +155,12 @@ def _rank_sync(data: WeightSyncRecord, rank: int, src_shards: ShardMap, dst_shar
                         out.append((peer, pieces, sum(_numel(region) for _, region in message)))
         rounds.append((tuple(sends), tuple(recvs)))
     local = tuple((name, _index(dst, name, region, rank, "destination"), _index(src, name, region, rank, "source"))
-                  for owner, _, slices in data.local if owner == rank for name, region in slices)
+                  for _, _, slices in data.local_copies(rank) for name, region in slices
+                  if group is None or staging_group(name, data.staging_layers) == group)
     mine = RankSync(tuple(rounds), local)
     if len(_RANK_SYNCS) >= 64:  # a run holds a few plans; never let stale ones pile up
         _RANK_SYNCS.clear()
-    _RANK_SYNCS[(id(data), rank)] = (data, layout, mine)
+    _RANK_SYNCS[(id(data), rank, group)] = (data, layout, mine)
     return mine
 
 
@@ -179,16 +184,17 @@ def run_weight_sync(data: WeightSyncRecord, rank: int, src: nn.Module | None, ds
     src_shards = module_shards(src)
     wire_dtype = None
     quantized: set[str] = set()
-    for part, group in _staging_parts(data):
-        staged = fp8.staging_tensors(dst, group)
+    for group, member in _staging_groups(data):
+        staged = fp8.staging_tensors(dst, member)
         quantized.update(staged)
         dst_shards = module_shards(dst, staged)
         if wire_dtype is None:
             held = next(iter(src_shards.values()), None) or next(iter(dst_shards.values()), None)
             wire_dtype = held[0].dtype if held is not None else torch.float32
-        execute_weight_sync(part, rank, src_shards, dst_shards, rt.comm_device, rt.device, wire_dtype=wire_dtype)
+        execute_weight_sync(data, rank, src_shards, dst_shards, rt.comm_device, rt.device, wire_dtype=wire_dtype,
+                            group=group)
         if isinstance(dst, TensorParallelLlama):
-            dst.complete_kv_heads(staged, group)
+            dst.complete_kv_heads(staged, member)
         if staged:
             fp8.load_staged(dst, staged)  # type: ignore[arg-type]
         del staged, dst_shards  # this group's staging is freed before the next one's is allocated
@@ -200,34 +206,19 @@ def run_weight_sync(data: WeightSyncRecord, rank: int, src: nn.Module | None, ds
 
 
 Group = Callable[[str], bool] | None  # the parameters of one staging group; None: every parameter
-_PARTS: dict[int, tuple[WeightSyncRecord, list[tuple[WeightSyncRecord, Group]]]] = {}
 
 
-def _staging_parts(data: WeightSyncRecord) -> list[tuple[WeightSyncRecord, Group]]:
-    """A staged plan cut into its groups: per group, a record of its rounds and of its parameters' local
-    copies, and which parameters it fills. A plan in one group is its own single part. Kept per record,
-    so that each part's resolved messages are kept as well (`_rank_sync`)."""
-    if len(data.group_rounds) <= 1 or data.rounds is None:
-        return [(data, None)]
-    cached = _PARTS.get(id(data))
-    if cached is not None and cached[0] is data:
-        return cached[1]
+def _staging_groups(data: WeightSyncRecord) -> list[tuple[int | None, Group]]:
+    """A staged plan's groups in order: each group's index (`execute_weight_sync`'s `group`) and which
+    parameters it fills. A plan in one group is its own single part (None, None)."""
+    if len(data.group_rounds) <= 1:
+        return [(None, None)]
     layers = data.staging_layers
-    parts: list[tuple[WeightSyncRecord, Group]] = []
-    start = 0
-    for g, num_rounds in enumerate(data.group_rounds):
-        def member(name: str, g: int = g) -> bool:
-            return staging_group(name, layers) == g
 
-        local = [LocalCopy(c.rank, sum(_numel(sl.region) for sl in mine) * data.src_bytes_per_elem, mine)
-                 for c in data.local if (mine := tuple(sl for sl in c.slices if member(sl.param)))]
-        rounds = data.rounds[start:start + num_rounds]
-        parts.append((data.model_copy(update={"rounds": rounds, "local": local, "group_rounds": []}), member))
-        start += num_rounds
-    if len(_PARTS) >= 64:
-        _PARTS.clear()
-    _PARTS[id(data)] = (data, parts)
-    return parts
+    def member(g: int) -> Group:
+        return lambda name: staging_group(name, layers) == g
+
+    return [(g, member(g)) for g in range(len(data.group_rounds))]
 
 
 def module_shards(module: nn.Module | None, staged: Mapping[str, Tensor] | None = None

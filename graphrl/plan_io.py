@@ -43,8 +43,9 @@ def plan_from_bytes(data: bytes, source: str = "<bytes>") -> Plan:
     if obj[MAGIC] != PLAN_FORMAT_VERSION:
         older = {1: " (version 1 plans unrolled every step; this graphrl writes periodic programs)",
                  2: " (version 2 plans stored meshes as first device and count; this graphrl stores their devices)",
-                 3: " (version 3 plans left the executors to resolve the job graph; this graphrl binds it in the plan)"
-                 }.get(obj[MAGIC], "")
+                 3: " (version 3 plans left the executors to resolve the job graph; this graphrl binds it in the plan)",
+                 6: " (version 6 plans left ranks to plan the weight syncs they did not store; this graphrl stores "
+                    "every sync's rounds)"}.get(obj[MAGIC], "")
         raise PlanFileError(f"plan format version {obj[MAGIC]} is not supported (this graphrl reads "
                             f"{PLAN_FORMAT_VERSION}){older}", location=where, fix="recompile the job with this graphrl")
     try:

@@ -20,6 +20,8 @@ from graphrl.schemas.job import Engine, JobSpec, NodeSpec, Precision, ScheduleMo
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.program import Programs, programs_json_schema
 
+# 7: every weight sync the executors run is stored with all its rounds, in tables (`WeightSyncRecord`): a
+#    colocated tensor-parallel generator's and a sync of any size; a format-6 plan left ranks to plan those.
 # 6: a weight sync into an fp8 generator runs in staging groups (`WeightSyncRecord.staging_layers`), and a
 #    serving engine may sleep between its generations (`RolePlacement.sleeps`): a format-5 executor would
 #    run either plan outside its memory charge.
@@ -27,7 +29,7 @@ from graphrl.schemas.program import Programs, programs_json_schema
 # 4: the plan binds every node and role for the executors (`RunBindings`); WeightSync names its roles.
 # 3: meshes are one type (devices and named axes); weight syncs typed records.
 # 2: programs are periodic (prologue, one-step body, epilogue per rank); 1 unrolled every step.
-PLAN_FORMAT_VERSION = 6
+PLAN_FORMAT_VERSION = 7
 
 RoleKind = Literal["train", "generate", "infer"]
 

@@ -219,7 +219,7 @@ class WeightSync:
 @instruction
 class ReshardInPlace:
     """Colocated: fill the generator's weights from the trainer's shards on the same devices (a
-    tensor-parallel generator's by the DDMA planner, `graphrl/ddma.py:rank_sync_record`)."""
+    tensor-parallel generator's by the DDMA plan of `model` in `Programs.weight_syncs`)."""
 
     model: ModelName
     version: Version

@@ -1,16 +1,20 @@
-"""A DDMA weight sync as the plan stores it: the two meshes, the byte widths, and the transfer rounds.
+"""A DDMA weight sync as the plan stores it: the two meshes, the byte widths, and every transfer round.
 
-The planner (`graphrl.ddma`) computes a sync in these slices and buckets; this record is what a plan
-file keeps of it and what the executors run (`graphrl.executors.weightsync`). Buckets and slices are
-named tuples: typed and checked like every other field, yet written positionally (`[src, dst, bytes,
-[[param, region], ...]]`), since an 8B plan holds thousands of them (and the planner ~2 * 10^5 at 405B).
+The planner (`graphrl.compiler.ddma`) computes a sync in these slices and buckets; the record is what a plan
+file keeps of it and what the executors run (`graphrl.executors.weightsync`), whatever its size: ranks never
+plan. A 405B sync has ~190,000 buckets but only a few thousand distinct contents (the generator's replicas
+receive the same slices), so the record stores them in tables referenced by index, written positionally as
+named tuples: the parameter names and regions once each; each distinct content once, as runs of consecutive
+parameters that share a region; each round as three columns (senders, receivers, contents), a column stored
+once however many rounds repeat it. `buckets`, `round_buckets` and `local_copies` read them back as the
+planner's buckets.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Iterator, Literal, NamedTuple
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from graphrl.schemas.base import Frozen
 from graphrl.schemas.mesh import Mesh
@@ -79,6 +83,47 @@ class WeightSyncSummary(Frozen):
     dst_bytes_per_elem: int = Field(gt=0, description="Bytes per element on the generator side.")
 
 
+class SliceRun(NamedTuple):
+    """Slices of consecutive parameters of a record's table that share one region."""
+
+    param: int
+    """The first parameter: its index in `WeightSyncRecord.params`."""
+    count: int
+    """How many parameters of the table, from `param` on."""
+    region: int
+    """The region of each: its index in `WeightSyncRecord.regions`."""
+
+
+class Contents(NamedTuple):
+    """What one bucket or local copy carries: its slices in packing order, as runs."""
+
+    num_bytes: int
+    """Bytes (at the sender's width)."""
+    runs: tuple[SliceRun, ...]
+    """The slices, run by run."""
+
+
+class Round(NamedTuple):
+    """One transfer round as three columns of `WeightSyncRecord.columns`, one entry per bucket: bucket i goes
+    from rank `columns[src][i]` to rank `columns[dst][i]` and carries `contents[columns[contents][i]]`."""
+
+    src: int
+    """The column of senders."""
+    dst: int
+    """The column of receivers."""
+    contents: int
+    """The column of contents (indices into `WeightSyncRecord.contents`)."""
+
+
+class LocalCopyRef(NamedTuple):
+    """A rank-local copy: what `rank` copies from its own trainer shard to its own generator shard."""
+
+    rank: int
+    """The rank that copies shard to shard."""
+    contents: int
+    """The slices copied (an index into `WeightSyncRecord.contents`)."""
+
+
 class WeightSyncRecord(Frozen):
     """One trainer -> generator weight copy of a model, as the plan stores and the executors run it."""
 
@@ -90,12 +135,63 @@ class WeightSyncRecord(Frozen):
     bucket_bytes: int = Field(gt=0, description="The bucket size limit the rounds were planned with.")
     summary: WeightSyncSummary = Field(description="Numbers that describe the sync.")
     predicted_s: float = Field(ge=0, description="Predicted seconds of one sync.")
-    rounds: list[list[Bucket]] | None = Field(
-        default=None, description="The transfer rounds; absent for plans too large to store (the summary stays).")
-    local: list[LocalCopy] = Field(default_factory=list, description="Rank-local copies.")
+    params: list[str] = Field(default_factory=list, description="The parameter names the contents refer to, "
+                              "in the planner's order (a run takes consecutive ones).")
+    regions: list[Region] = Field(default_factory=list, description="The distinct regions the contents refer to.")
+    contents: list[Contents] = Field(default_factory=list, description="The distinct contents of buckets and "
+                                     "local copies.")
+    columns: list[tuple[int, ...]] = Field(default_factory=list, description="The distinct columns of the rounds.")
+    rounds: list[Round] = Field(default_factory=list, description="The transfer rounds, in order.")
+    local: list[LocalCopyRef] = Field(default_factory=list, description="Rank-local copies.")
     staging_layers: int = Field(
         default=0, ge=0, description="Layers per staging group of an fp8 generator (`graphrl.schemas.sharding."
         "staging_layers`): the sync runs group by group, every parameter of a group whole before the next "
         "group's first round, so a rank stages and quantizes one group at a time. 0: one group.")
     group_rounds: list[int] = Field(
         default_factory=list, description="Rounds of each staging group, in order; empty for one group.")
+
+    @model_validator(mode="after")
+    def _references_hold(self) -> "WeightSyncRecord":
+        """Every index names an entry of its table, and a round's three columns are equally long."""
+        def within(indices: list[int], table: list, what: str) -> None:
+            if indices and not 0 <= min(indices) <= max(indices) < len(table):
+                raise ValueError(f"an index into {what} is outside its {len(table)} entries")
+
+        for run_ in (run for c in self.contents for run in c.runs):
+            if run_.count < 1 or not 0 <= run_.param <= run_.param + run_.count <= len(self.params):
+                raise ValueError(f"a run of {run_.count} parameters from {run_.param} is outside the "
+                                 f"{len(self.params)} parameters")
+        within([run.region for c in self.contents for run in c.runs], self.regions, "regions")
+        within([i for r in self.rounds for i in r], self.columns, "columns")
+        within([c.contents for c in self.local], self.contents, "contents")
+        for r in self.rounds:
+            if not len(self.columns[r.src]) == len(self.columns[r.dst]) == len(self.columns[r.contents]):
+                raise ValueError("a round's columns differ in length")
+        within(list({i for r in self.rounds for i in self.columns[r.contents]}), self.contents, "contents")
+        return self
+
+    def slices(self, contents: int) -> tuple[Slice, ...]:
+        """The slices of `contents[contents]`, in packing order."""
+        params, regions = self.params, self.regions
+        return tuple(Slice(params[run.param + i], regions[run.region])
+                     for run in self.contents[contents].runs for i in range(run.count))
+
+    def round_buckets(self, k: int, rank: int | None = None) -> list[Bucket]:
+        """Round `k`'s buckets in order; with `rank`, only those it sends or receives (at most one of each)."""
+        r = self.rounds[k]
+        src, dst, contents = self.columns[r.src], self.columns[r.dst], self.columns[r.contents]
+        if rank is None:
+            at: list[int] = list(range(len(src)))
+        else:  # no rank sends or receives twice in a round: at most one of each
+            at = sorted({i for column in (src, dst) if rank in column for i in (column.index(rank),)})
+        return [Bucket(src[i], dst[i], self.contents[contents[i]].num_bytes, self.slices(contents[i])) for i in at]
+
+    def buckets(self) -> Iterator[Bucket]:
+        """Every bucket, round by round."""
+        for k in range(len(self.rounds)):
+            yield from self.round_buckets(k)
+
+    def local_copies(self, rank: int | None = None) -> list[LocalCopy]:
+        """The rank-local copies (with `rank`, its own)."""
+        return [LocalCopy(c.rank, self.contents[c.contents].num_bytes, self.slices(c.contents))
+                for c in self.local if rank is None or c.rank == rank]

@@ -64,28 +64,22 @@ def test_async_disaggregated_run_uses_the_planned_stale_versions(tmp_path):
     assert all("clipped_frac" in r for r in rows)  # the AIPO loss ran
 
 
-def test_a_plan_without_stored_sync_rounds_replans_them_and_runs_the_same(tmp_path, monkeypatch):
-    """A DDMA plan with more buckets than a plan stores keeps only its summary; each rank replans the
-    rounds when the run starts, checks them against the summary, and the run is the same."""
-    from graphrl import ddma
-    from graphrl.compiler import weight_sync
+def test_no_rank_replans_a_colocated_tensor_parallel_generators_sync(tmp_path):
+    """A colocated tp-2 generator beside an fsdp trainer is filled by a DDMA plan. Ranks once planned it
+    themselves when the run started (and every sync of more buckets than a plan then stored); the plan now
+    stores it, and the ranks run it as stored: the run completes and the generator samples each new version."""
     from graphrl.plan_io import load_plan
 
-    args = ["run", str(EXAMPLES / "aipo_async_tiny.yaml"), "--steps", "3", "-q"]
-    out = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "stored")])
+    sets = ["cluster=local-cpu-2", "placement.strategy=colocated", "placement.roles.policy.tp=1",
+            "placement.roles.policy.sharding=fsdp", "placement.roles.policy/generate.tp=2"]
+    args = ["run", str(EXAMPLES / "grpo_tiny.yaml"), "--steps", "3", "--out", str(tmp_path), "-q"]
+    out = CliRunner().invoke(main, [*args, *(x for s in sets for x in ("--set", s))])
     assert out.exit_code == 0, out.output
-    weight_sync.ddma_record.cache_clear()
-    monkeypatch.setattr(ddma, "MAX_STORED_BUCKETS", 0)
-    try:
-        out = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "replanned")])
-    finally:
-        weight_sync.ddma_record.cache_clear()
-    assert out.exit_code == 0, out.output
-    (record,) = load_plan(tmp_path / "replanned" / "plan.msgpack").programs.weight_syncs.values()
-    assert record.rounds is None and record.summary.num_buckets > 0
-    drop = {"step_time_s", "tokens_per_s"}
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
-    assert strip(metrics(tmp_path / "replanned")) == strip(metrics(tmp_path / "stored"))
+    plan = load_plan(tmp_path / "plan.msgpack")
+    (record,) = plan.programs.weight_syncs.values()
+    assert plan.chosen.strategy == "colocated" and record.src.devices == record.dst.devices == (0, 1)
+    assert record.summary.num_buckets > 0 and record.local
+    assert [r["weight_version"] for r in metrics(tmp_path)] == [0, 1, 2]
 
 
 def test_same_job_runs_sync_when_overridden(tmp_path):

@@ -180,7 +180,7 @@ def case_sync_fsdp2_to_tp2_shared(rank: int, groups: dict[str, Any]) -> dict[str
     layer = src.model.layers[0]
     assert layer.self_attn.o_proj.weight.placements == (Shard(1),), layer.self_attn.o_proj.weight.placements
     assert layer.mlp.down_proj.weight.placements == (Shard(1),) and layer.mlp.up_proj.weight.placements == (Shard(0),)
-    crossing = {s.param for r in data.rounds for b in r for s in b.slices}
+    crossing = {s.param for b in data.buckets() for s in b.slices}
     assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
     return _sync_and_check(rank, data, src, TensorParallelGroup(rank, 2, groups["01"]), DIMS)
 
@@ -202,7 +202,7 @@ def case_sync_fsdp2_to_fp8_tp4_in_staging_groups(rank: int, groups: dict[str, An
     """FSDP2 trainer on ranks 0-1, fp8 tp=4 generator on 0-3 (replicated KV heads completed per group), the
     sync planned in staging groups of one layer: every fp8 weight and scale equals what the sync in one
     group gives, bit for bit, and no rank ever stages more than one layer's linears at a time."""
-    from graphrl import ddma
+    from graphrl.compiler import ddma
     from graphrl.executors import fp8
     from graphrl.schemas import sharding
 

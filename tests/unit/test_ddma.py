@@ -12,12 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrl.ddma import (
+from graphrl.compiler.ddma import (
     DdmaPlan,
     TransferRound,
     _edge_colouring,
     plan_summary,
     plan_weight_sync,
+    sync_record,
 )
 from graphrl.schemas.sharding import (
     LayoutFn,
@@ -36,7 +37,7 @@ from graphrl.schemas.sharding import (
 )
 from graphrl.errors import GraphRLError
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
-from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice
+from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord
 
 DP, FSDP, TP, PP = MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP, MeshAxis.PP
 
@@ -229,6 +230,46 @@ def test_overlapping_devices_keep_what_they_hold(data) -> None:
     check_plan(plan, params, src_mesh, src_layout, dst_mesh, dst_layout, 2, 32)
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_stored_record_reads_back_as_the_plan(data) -> None:
+    """A plan file keeps a sync in tables (names, regions, distinct contents as runs, distinct round
+    columns); read back, as a plan file stores it, it is every bucket of every round and every local copy
+    of the plan, in order: with slices cut to fit buckets, staging groups and rank-local copies."""
+    params = data.draw(param_lists())
+    src_mesh = data.draw(meshes())
+    dst_mesh = data.draw(meshes(devices_from=list(src_mesh.ranks()), max_ranks=src_mesh.num_ranks)
+                         if data.draw(st.booleans()) else meshes())
+    src_layout, dst_layout = data.draw(layouts(params)), data.draw(layouts(params))
+    group = {p.name: data.draw(st.integers(0, 2)) for p in params}
+    limit = data.draw(st.sampled_from([2, 16, 1 << 20]))
+    plan = plan_weight_sync(params, src_mesh=src_mesh, src_layout=src_layout, dst_mesh=dst_mesh,
+                            dst_layout=dst_layout, src_bytes_per_elem=2, bucket_bytes=limit,
+                            group_of=(lambda p: group[p.name]) if data.draw(st.booleans()) else None)
+    record = WeightSyncRecord.model_validate_json(sync_record(plan, "m", src_mesh, dst_mesh, 0.0).model_dump_json())
+    assert [record.round_buckets(k) for k in range(len(record.rounds))] == [list(r.buckets) for r in plan.rounds]
+    assert record.local_copies() == list(plan.local_copies)
+    assert record.group_rounds == list(plan.group_rounds)
+
+
+def test_a_405b_sync_is_stored_whole_and_small() -> None:
+    """The 405B example's sync (fsdp22 x tp8 trainer -> 53 tp16 fp8 generators, ~190,000 buckets) once kept
+    only its summary, and every rank planned its own part; the plan now stores every round, in tables small
+    enough for a plan file (the contents and round columns repeat across the generator's replicas)."""
+    import msgpack
+
+    from graphrl.compiler.ddma import gc_paused, plan_llama_sync
+
+    src = Mesh.contiguous([(DP, 1), (FSDP, 22), (TP, 8), (PP, 1)], 848)
+    dst = Mesh.contiguous([(DP, 53), (FSDP, 1), (TP, 16), (PP, 1)], 0)
+    with gc_paused():
+        plan = plan_llama_sync(MODEL_PRESETS["llama3-405b"], src, dst, "fp8")
+        record = sync_record(plan, "policy", src, dst, 0.0)
+    assert sum(len(record.columns[r.src]) for r in record.rounds) == record.summary.num_buckets > 150_000
+    assert record.round_buckets(0) == list(plan.rounds[0].buckets)
+    assert len(msgpack.packb(record.model_dump(mode="json"))) < 1 << 20
+
+
 @settings(max_examples=40, deadline=None)
 @given(params=param_lists(), mesh=meshes(), data=st.data())
 def test_same_layout_on_same_devices_moves_nothing(params, mesh, data) -> None:
@@ -328,7 +369,7 @@ def test_fsdp2_to_tp2_on_the_same_ranks_copies_every_weight_matrix_in_place() ->
     src = Mesh.contiguous([("dp", 1), ("fsdp", 2), ("tp", 1), ("pp", 1)], 0)
     dst = Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", 2), ("pp", 1)], 0)
     record, _ = ddma_record(dims, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
-    crossing = {s.param for r in record.rounds for b in r for s in b.slices}
+    crossing = {s.param for b in record.buckets() for s in b.slices}
     assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
     norms = sum(p.num_elements for p in llama_params(dims) if p.name.endswith("norm.weight"))
     assert record.summary.total_bytes == norms * 2  # each rank receives the other half of every norm
@@ -481,7 +522,7 @@ def test_an_fp8_generators_sync_runs_in_staging_groups_of_layers(monkeypatch) ->
     """`plan_llama_sync` into fp8 cuts the sync into groups of `staging_layers` consecutive layers (the
     embedding, final norm and head with the first), and into bf16 keeps one group; both rebuild every
     destination shard. A tiny model's layers all fit one group's bytes, so the bound is shrunk here."""
-    from graphrl.ddma import plan_llama_sync, sync_staging_layers
+    from graphrl.compiler.ddma import plan_llama_sync, sync_staging_layers
     from graphrl.schemas import sharding
     from graphrl.schemas.sharding import MAX_STAGING_GROUPS, staging_group, staging_layers
 

@@ -185,7 +185,7 @@ def test_a_staged_sync_on_one_rank_quantizes_every_group_and_refuses_one_that_mi
     of the model's last layers is refused, naming the weights it would have left stale."""
     from types import SimpleNamespace
 
-    from graphrl import ddma
+    from graphrl.compiler import ddma
     from graphrl.errors import RunError
     from graphrl.executors.weightsync import run_weight_sync
     from graphrl.schemas import sharding
@@ -194,7 +194,7 @@ def test_a_staged_sync_on_one_rank_quantizes_every_group_and_refuses_one_that_mi
     dims = UNTIED.model_copy(update={"num_layers": 6})
     mesh = Mesh.contiguous([("dp", 1), ("tp", 1)], 0)
     monkeypatch.setattr(sharding, "STAGING_GROUP_BYTES", 1)  # a group per two layers (at most 4 groups)
-    record = ddma.sync_record(ddma.plan_llama_sync(dims, mesh, mesh, "fp8"), "policy", mesh, mesh, 0.0, rank=0)
+    record = ddma.sync_record(ddma.plan_llama_sync(dims, mesh, mesh, "fp8"), "policy", mesh, mesh, 0.0)
     assert record.staging_layers == 2 and len(record.group_rounds) == 3 and not any(record.group_rounds)
     torch.manual_seed(0)
     src = Llama(dims)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-PLANNER = "graphrl.ddma"  # the DDMA weight-sync planner
+PLANNER = "graphrl.compiler.ddma"  # the DDMA weight-sync planner
 
 
 class Import(NamedTuple):

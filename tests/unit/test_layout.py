@@ -83,7 +83,7 @@ def test_chunk_bounds_are_what_a_dtensor_shard_holds(length: int, num_pieces: in
 
 @given(st.integers(0, 40), st.integers(1, 9))
 def test_bucket_cuts_follow_torch_tensor_split(length: int, num_pieces: int) -> None:
-    from graphrl.ddma import _even_bounds
+    from graphrl.compiler.ddma import _even_bounds
 
     pieces = torch.tensor_split(torch.arange(length), num_pieces)
     for i, piece in enumerate(pieces):

@@ -197,7 +197,7 @@ def test_an_fsdp_trainer_as_wide_as_its_colocated_tp_generator_gathers_only_the_
         src = Mesh.contiguous([("dp", 1), ("fsdp", tp), ("tp", 1), ("pp", 1)], 0)
         dst = Mesh.contiguous([("dp", 1), ("fsdp", 1), ("tp", tp), ("pp", 1)], 0)
         record, _ = ddma_record(d, "policy", HARDWARE_PRESETS["h100-sxm-80gb"], 8, src, dst, "bf16")
-        moved = {s.param.split(".")[-2] for r in record.rounds for b in r for s in b.slices}
+        moved = {s.param.split(".")[-2] for b in record.buckets() for s in b.slices}
         assert moved == {"input_layernorm", "post_attention_layernorm", "norm"} | ({"down_proj"} if tp == 4 else set())
 
 

@@ -49,14 +49,17 @@ def _disaggregated_plan_data():
 def test_weight_syncs_are_typed_records_that_survive_the_file():
     plan, _ = _disaggregated_plan_data()
     (record,) = plan.programs.weight_syncs.values()
-    assert record.rounds and all(b.src != b.dst for r in record.rounds for b in r)
-    first = record.rounds[0][0]
+    buckets = list(record.buckets())
+    assert buckets and all(b.src != b.dst for b in buckets)
+    first = buckets[0]
     assert isinstance(first.slices[0].param, str) and isinstance(first.slices[0].region[0][0], int)
     assert plan_from_bytes(plan_to_bytes(plan)).programs.weight_syncs == plan.programs.weight_syncs
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda ws: ws["rounds"][0][0].__setitem__(0, "rank zero"), "rounds"),  # a bucket's sender is not a rank
+    (lambda ws: ws["columns"][0].__setitem__(0, "rank zero"), "columns"),  # a bucket's sender is not a rank
+    (lambda ws: ws["rounds"][0].__setitem__(0, 10**6), "an index into columns"),  # a column that is not there
+    (lambda ws: ws["contents"][0][1][0].__setitem__(1, 10**6), "parameters"),  # a run past the names
     (lambda ws: ws["summary"].pop("num_buckets"), "num_buckets"),
     (lambda ws: ws.__setitem__("bucket_bytes", 0), "bucket_bytes"),
 ])

@@ -16,6 +16,7 @@ from graphrl.compiler import candidates, passes
 from graphrl.compiler.compile import start, with_steps
 from graphrl.loader import job_cluster, load_job
 from graphrl.schemas.program import CostKey, Recv
+from graphrl.schemas.weightsync import Round
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.offload import RoleOffload
 from graphrl.compiler.passes import CompileContext, PassFailure, run_passes
@@ -91,9 +92,11 @@ def _double_offload_bytes(graph):  # noqa: ANN001, ANN202
 
 def _same_sender_twice_in_a_round(graph):  # noqa: ANN001, ANN202
     record = graph.weight_sync.record
-    first = record.rounds[0][0]
-    rounds = [[first, first._replace(dst=first.dst + 1)]] + record.rounds[1:]
-    return _replace_attr(graph, "weight_sync", record=record.model_copy(update={"rounds": rounds}))
+    src, dst, contents = (record.columns[k][0] for k in record.rounds[0])
+    n = len(record.columns)
+    columns = record.columns + [(src, src), (dst, dst + 1), (contents, contents)]
+    rounds = [Round(n, n + 1, n + 2)] + record.rounds[1:]
+    return _replace_attr(graph, "weight_sync", record=record.model_copy(update={"columns": columns, "rounds": rounds}))
 
 
 def _drop_a_receive(graph):  # noqa: ANN001, ANN202
@@ -154,39 +157,36 @@ def _job_with(name: str, *sets: str):  # noqa: ANN202
     return apply_overrides(load_job(str(EXAMPLES / name)), [parse_override(s) for s in sets])
 
 
-def test_a_colocated_tensor_parallel_generator_is_filled_by_the_ddma_planner() -> None:
-    """Colocated fsdp2 trainer, tp2 generator on the same 2 ranks: the plan stores no DDMA rounds (the
-    executor plans them when the run starts), and that plan copies the weight matrices rank-locally and
-    sends only the norms."""
+def test_a_colocated_tensor_parallel_generator_is_filled_by_a_stored_ddma_plan() -> None:
+    """Colocated fsdp2 trainer, tp2 generator on the same 2 ranks: the plan stores the DDMA plan of the
+    reshard (ranks once planned it themselves when the run started), which copies the weight matrices
+    rank-locally and sends only the norms; the baseline and the ranking, only simulated, plan none."""
     from graphrl.compiler.compile import compile_job
-    from graphrl.ddma import rank_sync_record
     from graphrl.schemas.program import ReshardInPlace
 
     job = _job_with("grpo_tiny.yaml", *COLOCATED_TP2)
-    plan = compile_job(job, job_cluster(job, None))
-    assert plan.chosen.strategy == "colocated" and plan.programs.weight_syncs == {}
+    plan = compile_job(job, job_cluster(job, None), check=True)
+    assert plan.chosen.strategy == "colocated"
     assert any(isinstance(i, ReshardInPlace) for r in plan.programs.ranks for i in r.body)
-    record = rank_sync_record(plan, "policy", 1)
-    assert record.src.devices == record.dst.devices == (0, 1) and record.rounds is not None
-    crossing = {s.param for r in record.rounds for b in r for s in b.slices}
+    (record,) = plan.programs.weight_syncs.values()
+    assert record.model == "policy" and record.src.devices == record.dst.devices == (0, 1)
+    crossing = {s.param for b in record.buckets() for s in b.slices}
     assert crossing and all(name.endswith("norm.weight") for name in crossing), crossing
     assert record.summary.local_bytes > 100 * record.summary.total_bytes
-    assert record.local and all(c.rank == 1 for c in record.local)  # rank 1's part only
+    assert {c.rank for c in record.local} == {0, 1}
 
 
-def test_replanning_a_stored_weight_sync_gives_each_rank_its_part_of_the_same_record() -> None:
-    """What an executor relies on when a plan holds no rounds: the planner is deterministic, and a
-    rank's part holds exactly the stored buckets and local copies that rank takes part in."""
+def test_each_rank_reads_its_part_of_the_stored_weight_sync() -> None:
+    """What an executor reads of a stored sync: in every round exactly the buckets its rank sends or
+    receives (each round in place, maybe empty), and its own local copies."""
     from graphrl.compiler.compile import compile_job
-    from graphrl.compiler.weight_sync import ddma_record
-    from graphrl.ddma import rank_sync_record
 
     job = load_job(str(EXAMPLES / "aipo_async_tiny.yaml"))
     plan = compile_job(job, job_cluster(job, None))
     (stored,) = plan.programs.weight_syncs.values()
-    ddma_record.cache_clear()
+    everything = [stored.round_buckets(k) for k in range(len(stored.rounds))]
+    assert sum(map(len, everything)) == stored.summary.num_buckets > 0
     for rank in range(plan.cluster.num_devices):
-        part = rank_sync_record(plan, "policy", rank)
-        assert part.summary == stored.summary and part.src == stored.src and part.dst == stored.dst
-        assert part.rounds == [[b for b in r if rank in (b.src, b.dst)] for r in stored.rounds]
-        assert part.local == [c for c in stored.local if c.rank == rank]
+        assert [stored.round_buckets(k, rank) for k in range(len(stored.rounds))] == [
+            [b for b in r if rank in (b.src, b.dst)] for r in everything]
+        assert stored.local_copies(rank) == [c for c in stored.local_copies() if c.rank == rank]

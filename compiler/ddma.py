@@ -35,14 +35,13 @@ import heapq
 from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from itertools import chain, product
+from itertools import chain, groupby, product
 from math import ceil, prod
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterator, Sequence
 
 from graphrl.schemas.job import PRECISION_BYTES
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.plan import Plan
 from graphrl.schemas.sharding import (
     LayoutFn,
     Mesh,
@@ -58,8 +57,9 @@ from graphrl.schemas.sharding import (
     llama_layout_on,
     llama_params,
 )
-from graphrl.schemas.weightsync import Bucket, LocalCopy, Slice, WeightSyncRecord, WeightSyncSummary
-from graphrl.errors import JobError, PlacementError, RunError
+from graphrl.schemas.weightsync import (Bucket, Contents, LocalCopy, LocalCopyRef, Round, Slice, SliceRun,
+                                       WeightSyncRecord, WeightSyncSummary)
+from graphrl.errors import JobError, PlacementError
 
 
 @dataclass(frozen=True)
@@ -693,9 +693,6 @@ def plan_summary(plan: DdmaPlan) -> dict[str, Any]:
 # A policy's weights cross links in bf16 whatever the destination stores (it quantizes on receipt).
 WIRE_BYTES_PER_ELEM = 2
 DDMA_BUCKET_BYTES = 256 << 20
-# DDMA plans with more buckets than this keep only their summary in the plan file (a 405B plan has
-# ~10^5 buckets); executors of such plans plan their own part with the same deterministic planner.
-MAX_STORED_BUCKETS = 20_000
 
 
 def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
@@ -717,39 +714,72 @@ def sync_staging_layers(dims: ModelDims, dst: Mesh, precision: str) -> int | Non
     return staging_layers(dims, dst.size(MeshAxis.TP)) if PRECISION_BYTES[precision] < WIRE_BYTES_PER_ELEM else None
 
 
-def sync_record(plan: DdmaPlan, model: str, src: Mesh, dst: Mesh, predicted_s: float,
-                rank: int | None = None) -> WeightSyncRecord:
-    """The record a plan stores of `plan`: its rounds when they hold at most `MAX_STORED_BUCKETS`
-    buckets, else its summary only. With `rank`, the rounds whatever their number, but only the buckets
-    and local copies `rank` takes part in (each round in place, maybe empty): what that rank's executor
-    runs, in memory that does not grow with the mesh. The summary always describes the whole sync."""
-    stored = rank is not None or plan.num_buckets <= MAX_STORED_BUCKETS
+_REGION = attrgetter("region")
 
-    def mine(*ranks: int) -> bool:
-        return rank is None or rank in ranks
 
+def sync_record(plan: DdmaPlan, model: str, src: Mesh, dst: Mesh, predicted_s: float) -> WeightSyncRecord:
+    """The record a plan stores of `plan`: every round, in the tables of `graphrl.schemas.weightsync` (each
+    parameter name, region, bucket content and round column once), so that no rank plans its part."""
+    params: list[str] = []
+    param_ids: dict[str, int] = {}
+    regions: list[Region] = []
+    region_ids: dict[Region, int] = {}
+    contents: list[Contents] = []
+    content_ids: dict[int, int] = {}  # id of a planned slice tuple -> its contents (pairs share the tuples)
+    kept = []  # the tuples whose ids are keys above, alive until the record is made
+    columns: list[tuple[int, ...]] = []
+    column_ids: dict[tuple[int, ...], int] = {}
+
+    def content(slices: tuple[Slice, ...], num_bytes: int) -> int:
+        c = content_ids.get(id(slices))
+        if c is not None:
+            return c
+        runs = []
+        # Slices of one region in a row are mostly a planned run of consecutive parameters: read them whole.
+        for region, same in groupby(slices, key=_REGION):
+            names = [sl.param for sl in same]
+            ids = list(map(param_ids.get, names))
+            if None in ids:
+                for name in names:
+                    if name not in param_ids:
+                        param_ids[name] = len(params)
+                        params.append(name)
+                ids = list(map(param_ids.__getitem__, names))
+            r = region_ids.get(region)
+            if r is None:
+                r = region_ids[region] = len(regions)
+                regions.append(region)
+            if ids == list(range(ids[0], ids[0] + len(ids))):
+                runs.append(SliceRun(ids[0], len(ids), r))
+                continue
+            start = 0
+            for k in range(1, len(ids) + 1):
+                if k == len(ids) or ids[k] != ids[k - 1] + 1:
+                    runs.append(SliceRun(ids[start], k - start, r))
+                    start = k
+        kept.append(slices)
+        c = content_ids[id(slices)] = len(contents)
+        contents.append(Contents(num_bytes, tuple(runs)))
+        return c
+
+    def column(values: tuple[int, ...]) -> int:
+        k = column_ids.get(values)
+        if k is None:
+            k = column_ids[values] = len(columns)
+            columns.append(values)
+        return k
+
+    rounds = []
+    for r in plan.rounds:
+        srcs, dsts, sizes, slices = zip(*r.buckets)
+        found = list(map(content_ids.get, map(id, slices)))  # mostly contents read already: no call each
+        for i in (i for i, c in enumerate(found) if c is None):
+            found[i] = content(slices[i], sizes[i])
+        rounds.append(Round(column(srcs), column(dsts), column(tuple(found))))
+    local = [LocalCopyRef(c.rank, content(c.slices, c.num_bytes)) for c in plan.local_copies]
     return WeightSyncRecord(
         model=model, src=src, dst=dst, staging_layers=plan.staging_layers, group_rounds=list(plan.group_rounds),
         src_bytes_per_elem=plan.src_bytes_per_elem, dst_bytes_per_elem=plan.dst_bytes_per_elem,
         bucket_bytes=plan.bucket_bytes, summary=WeightSyncSummary(**plan_summary(plan)), predicted_s=predicted_s,
-        rounds=[[b for b in r.buckets if mine(b.src, b.dst)] for r in plan.rounds] if stored else None,
-        local=[c for c in plan.local_copies if mine(c.rank)] if stored else [],
+        params=params, regions=regions, contents=contents, columns=columns, rounds=rounds, local=local,
     )
-
-
-@functools.lru_cache(maxsize=16)
-def _rank_record(dims: ModelDims, model: str, src: Mesh, dst: Mesh, precision: str, rank: int) -> WeightSyncRecord:
-    with gc_paused():
-        return sync_record(plan_llama_sync(dims, src, dst, precision), model, src, dst, 0.0, rank)
-
-
-def rank_sync_record(plan: Plan, model: str, rank: int) -> WeightSyncRecord:
-    """`rank`'s part of `model`'s trainer -> generator DDMA plan on the plan's chosen layout, exactly as the
-    compiler plans it (the planner is deterministic). What executors run where the plan holds no rounds:
-    a colocated tensor-parallel generator, or a disaggregated sync whose rounds were too many to store."""
-    by_kind = {p.kind: p for p in plan.chosen.placements if p.model == model and p.kind in ("train", "generate")}
-    if set(by_kind) != {"train", "generate"}:
-        raise RunError(f"the plan has no trainer and generator of {model} to sync weights between")
-    train, gen = by_kind["train"], by_kind["generate"]
-    return _rank_record(plan.job.models[model].resolved_dims(), model, plan.chosen.role_mesh(train),
-                        plan.chosen.role_mesh(gen), gen.precision, rank)
