@@ -1,8 +1,9 @@
 """The contract between plan and run: executors read only the plan.
 
-The executors import `schemas/`, the torch-free sharding description and DDMA planner, and nothing from
-`compiler/`; a compiler import in an executor module would let a rank re-derive what the plan should
-have told it (the job graph, a weight-sync plan, a verification), so it fails here."""
+The executors import `schemas/` and the torch-free sharding description, and nothing from `compiler/` (the
+DDMA planner included); a compiler import in an executor module would let a rank re-derive what the plan
+should have told it (the job graph, a weight-sync plan, a verification), so it fails here, and
+`test_layers.py` follows the imports through `graphrl/` as well."""
 
 from __future__ import annotations
 
