@@ -160,7 +160,8 @@ def error_pct(predicted: float, published: float) -> float:
 
 def engine_table() -> list[tuple[str, int, int, int, float, float]]:
     """(hardware, input, output, requests in flight, predicted, published tokens/s) of the engine check."""
-    from graphrl.compiler import cost, timing
+    from graphrl.compiler import cost
+    from graphrl.compiler.cost import timing
     from graphrl.schemas.hardware import HARDWARE_PRESETS
     from graphrl.schemas.model import MODEL_PRESETS
 

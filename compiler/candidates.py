@@ -21,7 +21,7 @@ from graphrl.schemas.job import (PRECISIONS, SHARDINGS, Engine, PlacementHints, 
                                  parse_device_range)
 from graphrl.schemas.mesh import Mesh
 
-from graphrl.compiler import cost, timing
+from graphrl.compiler.cost import fp8_dequantizes, group_spans_nodes
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.roles import JobShape, Role, Workload, derive_roles, derive_workload
 from graphrl.compiler.layouts import device_splits, generate_shapes, tp_split_problem, train_shapes
@@ -176,7 +176,7 @@ class Problem(SearchSpace):
         return JobShape(self.roles, self.workload, self.num_devices, self.per_node, self.hw)
 
     def spans(self, first: int, n: int) -> bool:
-        return timing.group_spans_nodes(range(first, first + n), self.per_node)
+        return group_spans_nodes(range(first, first + n), self.per_node)
 
     def tp_group_spans(self, tp: int) -> bool:
         return tp > self.per_node
@@ -233,7 +233,7 @@ def gen_cfgs(p: SearchSpace, first: int, n: int) -> list[GenCfg]:
     # runs on fp8 matmul units, and where it is dequantized at use (CPU) it only saves memory, so it is
     # run when pinned.
     fp8 = hardware_has_fp8(p.hw)
-    offered = list(PRECISIONS) if fp8 and not cost.fp8_dequantizes(p.hw) else ["bf16"]
+    offered = list(PRECISIONS) if fp8 and not fp8_dequantizes(p.hw) else ["bf16"]
     precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
                   if precision_refusal("generate", prec, hardware_fp8=fp8) is None
                   and prec in ENGINE_PRECISIONS[p.engine_of(role.name)]]

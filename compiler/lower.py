@@ -4,7 +4,8 @@ Each rank's run is a prologue, a body of one step whose instructions carry their
 version as offsets from the loop counter, and an epilogue. The loop is folded from the schedule's
 transcripts of two lengths (the longer is the shorter with one more body iteration in the middle) and
 checked against a third before it is trusted. Predicted durations per (instruction kind, role) are
-attached here: placement's for the layout, and the weight-sync pass's for a DDMA copy.
+attached here: the cost model's for the layout (`cost.layout_durations`), and the weight-sync pass's for a
+DDMA copy.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _fold_rank(x: list[Instruction], y: list[Instruction], steps: int) -> RankPr
 
 
 def predicted_durations(placed: Mapping[CostKey, float], sync: WeightSyncPlan) -> dict[CostKey, float]:
-    """Seconds of each (instruction kind, role): placement's for the layout, with the DDMA copy's from
+    """Seconds of each (instruction kind, role): the cost model's for the layout, with the DDMA copy's from
     the weight-sync pass; what the simulator charges."""
     durations = dict(placed)
     if sync.kind == "ddma":

@@ -44,7 +44,7 @@ def plan_offload(layout: Layout) -> OffloadPlan:
 
 def check_offload(plan: OffloadPlan, layout: Layout) -> list[str]:
     """The stage's spec: only placed roles offload, only known state kinds, each at most once, and the
-    bytes are what the placement's memory accounting holds for those kinds."""
+    bytes are what the cost model's memory accounting holds for those kinds."""
     placed = {p.role: p for p in layout.placements}
     problems = []
     for role, off in plan.roles.items():

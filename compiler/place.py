@@ -15,8 +15,9 @@ from graphrl.schemas.program import CostKey
 
 from graphrl.compiler.placed import Contender, PlacedLayout
 from graphrl.compiler.candidates import make_problem
+from graphrl.compiler.cost import layout_durations
 from graphrl.compiler.placement import search
-from graphrl.compiler.to_layout import layout_durations, summaries, to_layout
+from graphrl.compiler.to_layout import summaries, to_layout
 
 # Candidates re-ranked by simulating their programs when the cluster is this small (the simulator
 # sees queueing and pipelining that the analytical estimate does not); larger clusters keep the

@@ -26,7 +26,7 @@ from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.program import INSTRUCTION_TYPES, PHASES, TRAITS, Instruction, Programs, describe, label
 
 from graphrl.compiler.semantics import BY_NAME, SEMANTICS, Costs
-from graphrl.compiler.timing import p2p_seconds
+from graphrl.compiler.cost import p2p_seconds
 
 _IGNORED_IN_KEY = {"start", "stop", "num_bytes", "peer", "tag"}
 

@@ -1,12 +1,9 @@
 """From the search's chosen candidate to the plan's typed `Layout`: meshes, role placements with their
-memory, inserted operations and the estimate, each instruction kind's predicted duration on it, and the
-candidate summaries the preview lists."""
+memory, inserted operations and the estimate, and the candidate summaries the preview lists. Every figure
+on them (bytes, seconds, peaks) is the cost model's (`cost/`); this module assembles them."""
 
 
 from __future__ import annotations
-
-import math
-from dataclasses import replace
 
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.sharding import staging_layers
@@ -20,14 +17,13 @@ from graphrl.schemas.plan import (
     RolePlacement,
     StepEstimate,
 )
-from graphrl.schemas.program import CostKey
 
-from graphrl.compiler import cost, timing
 from graphrl.compiler.candidates import Evaluated, Problem
-from graphrl.compiler.memory import (engine_resident, engine_weights, gen_kv_per_token, gen_sync_staging, gen_weights,
-                                     reads_trainer, resident_while_generating, trainer_mesh_memory)
-from graphrl.compiler.placement import (SearchResult, generation_time, reshard_in_place_time, role_times,
-                                        rollout_transfer_time, weight_sync_time)
+from graphrl.compiler.cost import (MemoryBreakdown, colocated_peak, engine_resident, gen_sync_staging,
+                                   generation_phase, generator_memory, generator_mesh_peak, offload_time,
+                                   offloaded_bytes, reads_trainer, reshard_in_place_time, resident_while_generating,
+                                   rollout_transfer_time, trainer_mesh_memory, weight_sync_time)
+from graphrl.compiler.placement import SearchResult
 from graphrl.compiler.roles import Role, effective_mode
 
 
@@ -42,29 +38,9 @@ def _staging_groups(role: Role, tp: int) -> str:
     return "the whole model at once" if groups == 1 else f"{groups} groups of {layers} layers in turn"
 
 
-def _mem_bytes(m: cost.MemoryBreakdown) -> MemoryBytes:
+def _mem_bytes(m: MemoryBreakdown) -> MemoryBytes:
     return MemoryBytes(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
                        kv_cache=m.kv_cache, gathered=m.gathered, engine_weights=m.engine_weights)
-
-
-def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey, float]:
-    """Predicted seconds of each (instruction kind, role) on a candidate's layout, from the cost model:
-    every role's forward and update, generation, the in-place reshard of a colocated policy, and the
-    per-job kinds. Weight syncs by DDMA are timed by their own planner (compiler/weight_sync.py)."""
-    reads = layout.strategy == "colocated" and reads_trainer(p, ev.train, ev.gen)
-    durations = dict(role_times(p, ev.train, gathered_at_sync=reads))
-    overhead = p.hw.op_overhead_s
-    durations.update({CostKey("Rule"): overhead, CostKey("Advantage"): overhead, CostKey("Checkpoint"): overhead,
-                      CostKey("ReleaseWeights"): 0.0})
-    gen_role = p.generator
-    if gen_role is not None and ev.gen is not None:
-        free = p.usable
-        if layout.strategy == "colocated":
-            free = p.usable - resident_while_generating(trainer_mesh_memory(p, ev.train))
-            durations[CostKey("ReshardInPlace", p.policy.model)] = reshard_in_place_time(p, ev.train, ev.gen)[0]
-        res = generation_time(p, ev.gen, free, reads=reads)
-        durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
-    return durations
 
 
 def to_layout(p: Problem, ev: Evaluated) -> Layout:
@@ -87,8 +63,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             memory_bytes=_mem_bytes(mem.roles[role.name]), host_bytes=_mem_bytes(mem.host[role.name]),
         ))
         if mem.offloaded[role.name]:
-            moved = sum(getattr(mem.roles[role.name], k) for k in mem.offloaded[role.name]) * train.n
-            t = timing.offload_time(moved / train.n, p.hw)
+            moved = offloaded_bytes(mem, role.name) * train.n
+            t = offload_time(moved / train.n, p.hw)
             operations.append(Operation(kind="offload", src=role.name, dst="host", num_bytes=moved, time_s=t,
                                         detail=f"{', '.join(mem.offloaded[role.name])} while idle"))
             operations.append(Operation(kind="onload", src="host", dst=role.name, num_bytes=moved, time_s=t,
@@ -104,14 +80,9 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
             free = p.usable - resident_while_generating(mem)
         # A generator that samples from the trainer's weights holds none of its own: the trainer's are charged.
         reads = ev.strategy == "colocated" and reads_trainer(p, train, gen)
-        res = generation_time(p, gen, free, reads=reads)
-        concurrent = res.concurrent if res else 1
-        gmem = cost.inference_memory(g.dims, tp=gen.tp, pp=1, precision=gen.precision,  # type: ignore[arg-type]
-                                     batch=concurrent, context_len=p.workload.seq_len, generator=True)
+        res = generation_phase(p, gen, free, reads=reads)
         kv_tokens = res.kv_tokens if res else p.workload.seq_len
-        gmem = replace(gmem, params=0.0 if reads else gen_weights(g, gen.tp, gen.precision),
-                       kv_cache=kv_tokens * gen_kv_per_token(g, gen.tp),
-                       engine_weights=engine_weights(g, gen.tp, gen.precision, engine))
+        gmem = generator_memory(p, gen, concurrent=res.concurrent if res else 1, kv_tokens=kv_tokens, reads=reads)
         sleeps = engine_sleeps(engine, colocated=ev.strategy == "colocated", device_kind=p.hw.kind)
         kept = engine_resident(g, gen.tp, gen.precision, engine, kv_tokens, sleeps=sleeps)  # through every phase
         placements.append(RolePlacement(
@@ -132,10 +103,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                 detail=fill
                 + (", quantized to fp8 on this device" if gen.precision == "fp8" else "")
                 + _engine_reload(engine, gen.tp)))
-            resident = resident_while_generating(mem)
-            synced = gmem.params + gen_sync_staging(g, gen.tp, gen.precision, colocated=True, engine=engine)
-            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=max(mem.peak + kept, resident + gmem.total,
-                                                                               resident + synced + kept),
+            staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=True, engine=engine)
+            device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=colocated_peak(mem, gmem, staging, kept),
                                               capacity_bytes=capacity, roles=[pl.role for pl in placements]))
         else:
             staging = gen_sync_staging(g, gen.tp, gen.precision, colocated=False, engine=engine)
@@ -151,7 +120,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                                         detail=f"rollouts from {gen.dp} generator replicas to {train.dp * train.fsdp} trainer ranks, balanced by tokens"))
             device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
                                               roles=[pl.role for pl in placements if pl.mesh == trainer_mesh]))
-            device_memory.append(DeviceMemory(mesh="generator", peak_bytes=max(gmem.total, gmem.params + staging + kept),
+            device_memory.append(DeviceMemory(mesh="generator", peak_bytes=generator_mesh_peak(gmem, staging, kept),
                                               capacity_bytes=capacity, roles=[g.name]))
     else:
         device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,

@@ -24,8 +24,7 @@ from graphrl.schemas.program import CostKey
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.weightsync import WeightSyncKind, WeightSyncRecord
 
-from graphrl.compiler import timing
-from graphrl.compiler.cost import BF16_BYTES
+from graphrl.compiler.cost import BF16_BYTES, timing
 from graphrl.compiler.ddma import DDMA_BUCKET_BYTES, gc_paused, plan_llama_sync, sync_record
 from graphrl.compiler.roles import JobShape
 

@@ -4,7 +4,7 @@ A generator role placed with `precision: fp8` holds each block linear (q/k/v/o, 
 weight with one float32 scale per output channel (row): `weight ~= fp8.float() * scale[:, None]`, the
 scale being the row's absolute maximum over the largest finite e4m3 value (448), so no row saturates.
 The embedding, the output head and the norms stay at the model's dtype, as the cost model's weight
-accounting (`compiler/cost.py:weight_bytes`) charges them.
+accounting (`compiler/cost/model.py:weight_bytes`) charges them.
 
 A matmul runs one of two ways (`Fp8Linear.matmul`):
 - `scaled_mm`: activations are quantized per token (row) to e4m3 as well and `torch._scaled_mm` multiplies

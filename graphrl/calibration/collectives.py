@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from graphrl.calibration.harness import spawn
-from graphrl.compiler import timing
+from graphrl.compiler.cost import timing
 from graphrl.schemas.hardware import CollectiveFit, MeasuredCollective
 
 COLLECTIVES: tuple[MeasuredCollective, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from graphrl.calibration.model_probes import Probe
-from graphrl.compiler import timing
+from graphrl.compiler.cost import timing
 from graphrl.schemas.hardware import HOST_FIT_FIELDS, HardwareSpec
 
 HOST_FIELDS = HOST_FIT_FIELDS[:-2]  # the host overheads; the fit's last two unknowns are the elementwise rates

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from graphrl.calibration.harness import best_time
-from graphrl.compiler import timing
+from graphrl.compiler.cost import timing
 from graphrl.schemas.hardware import MatmulFit, VocabCost
 from graphrl.schemas.model import ModelDims
 

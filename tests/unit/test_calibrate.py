@@ -20,7 +20,7 @@ from graphrl.calibration.harness import LONG_CALL_S, phase_times, spawn
 from graphrl.calibration.job_probes import job_probe_layers
 from graphrl.calibration.model_probes import Probe
 from graphrl.cli import main
-from graphrl.compiler import timing
+from graphrl.compiler.cost import timing
 from graphrl.compiler.hardware import resolve_hardware, this_machine
 from graphrl.errors import CalibrationWarning
 from graphrl.schemas.cluster import CLUSTER_PRESETS

@@ -100,7 +100,7 @@ def test_the_preview_says_a_sharded_trainer_is_gathered_for_its_generator(shardi
 def test_a_trainer_gathered_by_its_generators_sync_is_not_charged_the_forward_gather_again() -> None:
     """The sync's gather is the one the first forward would do: the policy's predicted update drops it
     (zero2, fsdp), and a replicated trainer's gathers nothing either way."""
-    from graphrl.compiler.placement import role_times
+    from graphrl.compiler.cost import role_times
     from graphrl.schemas.program import CostKey
 
     p = _problem("grpo_tiny.yaml", "local-cpu-2", "run")

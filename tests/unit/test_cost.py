@@ -1,6 +1,6 @@
-"""The size model (`graphrl.compiler.cost`): parameters, FLOPs and memory, against hand-computed values
-(arithmetic in the comments), published parameter counts, and the monotonic trends placement relies on.
-Time is `graphrl.compiler.timing`, tested in test_timing.py."""
+"""The cost model's sizes and memory (`graphrl.compiler.cost.model`, `.memory`): parameters, FLOPs and memory,
+against hand-computed values (arithmetic in the comments), published parameter counts, and the monotonic
+trends placement relies on. Time is `graphrl.compiler.cost.timing`, tested in test_timing.py."""
 
 from __future__ import annotations
 

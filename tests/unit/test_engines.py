@@ -69,7 +69,7 @@ def test_a_tensor_parallel_vllm_generator_is_planned_with_its_reload_gather_char
     """A vLLM generator at tp 2: one engine per replica over its two ranks. Its weight sync ends with the
     replica's shards gathered whole on its first rank for the engine's reload, which the plan charges
     beside the weights and the preview names."""
-    from graphrl.compiler.memory import gen_sync_staging, gen_weights
+    from graphrl.compiler.cost import gen_sync_staging, gen_weights
     from graphrl.compiler.roles import Role
     from graphrl.schemas.model import MODEL_PRESETS
 
@@ -89,9 +89,9 @@ def test_a_tensor_parallel_vllm_generator_is_planned_with_its_reload_gather_char
     assert (gen.engine, gen.tp) == ("vllm", 2)
     (op,) = [o for o in plan.chosen.operations if o.dst == gen.role]
     assert "whole tensors gathered on its first rank" in op.detail
-    from graphrl.compiler import timing
+    from graphrl.compiler.cost import timing
     from graphrl.compiler.candidates import gen_cfgs
-    from graphrl.compiler.placement import engine_reload_time
+    from graphrl.compiler.cost import engine_reload_time
 
     problem = _problem("vllm")
     tp1, tp2 = (next(g for g in gen_cfgs(problem, 0, 2) if g.tp == tp) for tp in (1, 2))
@@ -147,7 +147,7 @@ def test_native_engine_samples_from_the_response_seeds() -> None:
 
 def test_a_calibrated_engine_scales_the_predicted_generation_time(monkeypatch) -> None:
     """The compiler costs a vLLM generator from the calibrated tokens/s ratio, and only that generator."""
-    from graphrl.compiler import timing
+    from graphrl.compiler.cost import timing
     from graphrl.schemas.hardware import HARDWARE_PRESETS, EngineThroughput
     from graphrl.schemas.program import CostKey
 
@@ -208,8 +208,8 @@ def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatc
     import dataclasses
 
     from graphrl.compiler.candidates import gen_cfgs, train_cfgs
-    from graphrl.compiler.memory import engine_resident, resident_while_generating, trainer_mesh_memory
-    from graphrl.compiler.placement import evaluate_colocated, generation_time, no_fit_error
+    from graphrl.compiler.cost import engine_resident, generation_phase, resident_while_generating, trainer_mesh_memory
+    from graphrl.compiler.placement import evaluate_colocated, no_fit_error
 
     monkeypatch.setattr(candidates_module, "engine_available", lambda engine: True)
 
@@ -217,7 +217,7 @@ def test_a_colocated_vllm_engine_that_cannot_stay_resident_is_refused(monkeypatc
     p = problem("vllm")
     train, gen = train_cfgs(p, 0, 2)[0], gen_cfgs(p, 0, 2)[0]
     mem = trainer_mesh_memory(p, train)
-    res = generation_time(p, gen, p.usable - resident_while_generating(mem))
+    res = generation_phase(p, gen, p.usable - resident_while_generating(mem))
     assert res is not None
     kept = engine_resident(p.generator, gen.tp, gen.precision, "vllm", res.kv_tokens)
     tight = mem.peak + kept / 2

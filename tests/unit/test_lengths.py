@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from graphrl.cli import main
-from graphrl.compiler import timing
+from graphrl.compiler.cost import timing
 from graphrl.compiler.lengths import GRID, Lengths, lengths_of, read_measured
 from graphrl.compiler.roles import Workload
 from graphrl.loader import apply_overrides, job_cluster, load_job, parse_override

@@ -48,7 +48,7 @@ def test_compile_simulate_and_the_plan_file_show_one_step_time(example: str, ste
 
 @pytest.mark.parametrize("example", ["aipo_async_tiny.yaml", "llama3_70b.yaml", "llama3_405b.yaml"])
 def test_the_preview_shows_the_weight_sync_the_programs_are_charged(example: str) -> None:
-    """The preview's sync operation was timed from the layout (`placement.weight_sync_time`), the
+    """The preview's sync operation was timed from the layout (`cost.weight_sync_time`), the
     programs' WeightSync from the planned DDMA rounds, and the two disagreed in one plan."""
     from graphrl.compiler.compile import compile_job
     from graphrl.loader import job_cluster, load_job

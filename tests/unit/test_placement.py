@@ -182,7 +182,7 @@ def test_an_fsdp_trainer_as_wide_as_its_colocated_tp_generator_gathers_only_the_
     """fsdp=n beside tp=n on the same n devices: each device already holds its tp shard of every matrix
     (`fsdp_shard_dim`), so the in-place reshard gathers the norms, plus the row-parallel weights whose
     columns do not split evenly; the executor's DDMA plan moves the same tensors and nothing else."""
-    from graphrl.compiler.placement import unaligned_tp_shards
+    from graphrl.compiler.cost import unaligned_tp_shards
     from graphrl.compiler.weight_sync import ddma_record
     from graphrl.schemas.hardware import HARDWARE_PRESETS
     from graphrl.schemas.mesh import Mesh
@@ -205,7 +205,7 @@ def test_a_colocated_generator_as_wide_as_an_fsdp_trainer_reshards_for_less_than
     from graphrl.compiler.hardware import resolve_hardware
     from graphrl.compiler.typecheck import typecheck
     from graphrl.compiler.candidates import GenCfg, TrainCfg, make_problem
-    from graphrl.compiler.placement import reshard_in_place_time, unaligned_tp_shards
+    from graphrl.compiler.cost import reshard_in_place_time, unaligned_tp_shards
     from graphrl.ir import build_graph
 
     job = load_job(EXAMPLES / "grpo_tiny.yaml")

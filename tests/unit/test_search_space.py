@@ -71,7 +71,8 @@ def test_run_and_launch_refuse_a_pinned_pp_up_front(command: str, tmp_path: Path
 def test_a_colocated_plan_predicts_the_generation_the_search_ranked(example: str, cluster: str) -> None:
     """The Generate duration the programs carry (what the simulator charges) is the one the search ranked
     the candidate by: both leave the generator the memory the trainer's idle state does not hold."""
-    from graphrl.compiler.to_layout import layout_durations, to_layout
+    from graphrl.compiler.cost import layout_durations
+    from graphrl.compiler.to_layout import to_layout
     from graphrl.schemas.program import CostKey
 
     p = problem(example, cluster)

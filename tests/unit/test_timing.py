@@ -1,4 +1,4 @@
-"""The timing model (`graphrl.compiler.timing`): every timing function against a hand computation (the
+"""The timing model (`graphrl.compiler.cost.timing`): every timing function against a hand computation (the
 arithmetic in the comments) on a toy model small enough to count and a toy device with round figures, the
 closed forms against the loops they stand for, and the monotonic trends placement relies on."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from graphrl.compiler import timing
+from graphrl.compiler.cost import timing
 from graphrl.compiler.cost import UnsupportedPrecisionError
 from graphrl.errors import GraphRLError
 from graphrl.schemas.hardware import (HARDWARE_PRESETS, EngineThroughput, HardwareSpec, HostFit, MatmulFit,

@@ -1,9 +1,11 @@
-"""The timing model: the seconds of every instruction kind, one function each.
+"""Time: the seconds of every kind of work a plan runs on one device, one function each (a model pass,
+a collective, a generation, an engine's reload).
 
-The placement search ranks candidates with these functions, the simulator takes its instruction
-durations from them (through the placement's `CostKey` table), and so the preview's phases, which the
-simulator's steady state adds up, are these functions too. Everything is closed form in the job's sizes
-(no loop over layers, and decode steps summed exactly), because the search times thousands of layouts.
+The phase table (`phases.py`) adds these up per candidate: the placement search ranks candidates with it,
+the simulator takes its instruction durations from it (the lowered `CostKey` table), and so the
+preview's phases, which the simulator's steady state adds up, are these functions too. Everything is
+closed form in the job's sizes (no loop over layers, and decode steps summed exactly), because the search
+times thousands of layouts.
 
 Each model pass is a sum of rooflines, one per operation, as the executors run them:
 
@@ -31,15 +33,23 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from graphrl.compiler.cost.model import (
+    BF16_BYTES,
+    DDP_BUCKET_BYTES,
+    FP32_BYTES,
+    UnsupportedPrecisionError,
+    fp8_dequantizes,
+    fsdp_units,
+    kv_shards,
+    param_count,
+    param_tensor_count,
+    weight_bytes,
+)
+from graphrl.compiler.lengths import Lengths
 from graphrl.schemas.hardware import CollectiveFit, HardwareSpec, MatmulFit
 from graphrl.schemas.job import PRECISION_BYTES, SHARDINGS, Precision, Sharding
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.sharding import LLAMA_LAYER, TpStyle
-
-from graphrl.compiler.lengths import Lengths
-from graphrl.compiler.cost import (BF16_BYTES, DDP_BUCKET_BYTES, FP32_BYTES, UnsupportedPrecisionError,
-                                   fp8_dequantizes, fsdp_units, kv_shards, param_count, param_tensor_count,
-                                   weight_bytes)
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p"]
 
