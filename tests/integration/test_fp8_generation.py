@@ -38,7 +38,7 @@ def test_tiny_example_learns_with_an_fp8_generator(tmp_path, example):
     rewards = [r["reward_mean"] for r in rows]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert first <= 0.3, first
-    # measured: 0.996 (grpo_tiny) and 0.994 (aipo_async_tiny) over steps 230-249; 0.85 leaves fp8 noise room
+    # measured: 0.980 (grpo_tiny) and 0.946 (aipo_async_tiny) over steps 180-199; 0.85 leaves fp8 noise room
     assert last >= 0.85, last
     assert any(r["fp8_state_bytes"] > 0 for r in ledger)
 

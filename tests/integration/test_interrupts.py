@@ -216,26 +216,37 @@ def test_one_writer_per_folder_and_a_killed_launcher_takes_its_ranks_with_it(tmp
     assert not (out / "run.lock").exists()
 
 
-def test_a_torchrun_launch_stops_on_sigterm_and_the_same_script_continues(tmp_path: Path) -> None:
-    """Under torchrun (the script `graphrl launch` writes for clusters) SIGTERM, what SLURM sends before a
-    time limit or a preemption, ended the ranks with nothing saved, and running the script again started
-    the run over. Now the ranks stop after step 2 with a checkpoint, and the same script, started again as
-    a scheduler requeues a job, continues from it to the end."""
+def test_a_two_node_torchrun_launch_stops_on_sigterm_and_the_same_script_continues(tmp_path: Path) -> None:
+    """Under torchrun (the script `graphrl launch` writes for clusters, here two nodes on loopback) SIGTERM,
+    what SLURM sends before a time limit or a preemption, ended the ranks with nothing saved, and running
+    the script again started the run over. Now SIGTERM on one node stops the ranks of both after step 2
+    (they agree on the step), step 2 is checkpointed, and the same scripts, started again as a scheduler
+    requeues a job, continue from it to the end."""
+    from graphrl.executors.launcher import free_port
+
+    cluster = tmp_path / "two_nodes.yaml"
+    cluster.write_text("name: two-nodes\nnum_nodes: 2\ndevices_per_node: 1\nhardware: cpu-local\nbackend: gloo\n")
     out = tmp_path / "run"
-    wrote = subprocess.run([sys.executable, "-m", "graphrl.cli", "launch", str(EXAMPLES / "grpo_tiny.yaml"), "--emit",
-                            "torchrun", "-o", str(tmp_path / "launch"), "--out", str(out), "--steps", "5", "--port",
-                            "29733", "--grace-period", "60", "--set", "nodes.score.fn=faulty_rewards:signal_in_step_two"],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(HERE)})
-    assert wrote.returncode == 0, wrote.stderr
+    code, said = in_process("launch", str(EXAMPLES / "grpo_tiny.yaml"), "--emit", "torchrun", "-c", str(cluster),
+                            "-o", str(tmp_path / "launch"), "--out", str(out), "--steps", "5", "--port",
+                            str(free_port()), "--grace-period", "60",
+                            "--set", "nodes.score.fn=faulty_rewards:signal_in_step_two")
+    assert code == 0, said
     script = tmp_path / "launch" / "launch.sh"
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-60" in script.read_text()
-    env = {**os.environ, "NODE_RANK": "0", "PYTHONPATH": str(HERE)}
-    stopped = subprocess.run(["bash", str(script)], env={**env, "GRAPHRL_TEST_SIGNAL": "SIGTERM"}, capture_output=True,
-                             text=True, timeout=PATIENCE_S, start_new_session=True)
-    assert stopped.returncode != 0, stopped.stderr[-3000:]
-    assert checkpoints(out) == ["step_000002"] and steps_of(out) == [0, 1, 2], stopped.stderr[-3000:]
+
+    def nodes(**env: str) -> list[subprocess.CompletedProcess]:
+        procs = [subprocess.Popen(["bash", str(script)], env={**os.environ, "PYTHONPATH": str(HERE), "NODE_RANK": str(n),
+                                                               **env},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for n in range(2)]
+        return [subprocess.CompletedProcess(p.args, p.wait(timeout=PATIENCE_S), p.stdout.read() if p.stdout else "")
+                for p in procs]
+
+    stopped = nodes(GRAPHRL_TEST_SIGNAL="SIGTERM")  # the first rank signals its own node only
+    assert all(n.returncode != 0 for n in stopped), [n.stdout[-2000:] for n in stopped]
+    assert checkpoints(out) == ["step_000002"] and steps_of(out) == [0, 1, 2], stopped[0].stdout[-3000:]
     assert checkpoint_problem(out / "checkpoints" / "step_000002") is None
-    again = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=PATIENCE_S,
-                           start_new_session=True)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming from" in again.stderr and steps_of(out) == [0, 1, 2, 3, 4]
+    again = nodes()
+    assert [n.returncode for n in again] == [0, 0], [n.stdout[-2000:] for n in again]
+    assert "resuming from" in again[0].stdout and steps_of(out) == [0, 1, 2, 3, 4]

@@ -6,8 +6,10 @@ at least 0.9 over its last 20 steps while its first 20 steps average at most 0.3
 with both the colocated-synchronous and the disaggregated-asynchronous (AIPO) plan.
 
 The runs stop at LEARNED_BY of the example's 400 steps: every case's 20-step mean first reaches 0.9 by
-step 160-190 and stands at 0.993 or more at step 250 (seeds 0 and 1, both plans, with and without an fp8
-generator; measured on this commit's code), so 250 steps prove what 400 do, in less time.
+step 160-190 and stands at 0.946-0.984 at step 200 (seeds 0 and 1, both plans, with and without an fp8
+generator; measured), so 200 steps prove what 400 do, in half the time. The runs are deterministic for
+a seed, so a case passes or fails alike every time; a change to the learning code that slows learning
+shows here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from graphrl.cli import main
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-LEARNED_BY = 250
+LEARNED_BY = 200
 
 
 @pytest.mark.parametrize("example, seed", [("grpo_tiny.yaml", 0), ("grpo_tiny.yaml", 1), ("aipo_async_tiny.yaml", 0)])
