@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.multiprocessing as mp
 
 from graphrl.errors import FIX_LINE, Interrupted, RunError
 from graphrl.executors.profiling import ProfileSettings, merge_timeline
+from graphrl.executors.rank_server import rank_context
 from graphrl.executors.stopping import (STOP_SIGNALS, RunStopped, StopRequests, end_with, signal_name,
                                          stop_exit_code)
 from graphrl.plan_io import load_plan, save_plan
@@ -48,26 +48,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# What a rank imports before its first instruction (importing them starts no thread and touches no device,
-# so forking after it is safe). torch imports some of its own on first use: DDP and FSDP2 bring in
-# torch._dynamo (about 1.2 s), ZeRO-1's optimizer torch.distributed.optim (0.6 s, TorchScript), metrics the
-# TensorBoard writer; imported once here, a later run's ranks start in under a second instead of three.
-RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "torch.utils.tensorboard",
-                "graphrl.executors.executor", "graphrl.executors.launcher")
-
-
-def rank_context() -> Any:
-    """How local ranks start: forked from a server process that has imported `RANK_PRELOAD` once (a rank
-    otherwise spends about 2 s importing torch and the executors before it does anything), where the
-    platform has a forkserver; spawned afresh elsewhere. The server is started once per launching process
-    and kept, so every later run's ranks start in milliseconds."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts; later calls change nothing
-    return ctx
 
 
 def rank_main(rank: int, world_size: int, plan_path: str, out_dir: str, start_step: int, threads: int,

@@ -1,5 +1,5 @@
 """A function run on a world of local ranks: one process per rank, forked from the rank server
-(`launcher.rank_context`, so a world starts in milliseconds once torch is imported), joined by a gloo process
+(`rank_server.rank_context`, so a world starts in milliseconds once torch is imported), joined by a gloo process
 group. `graphrl calibrate` measures collectives with it and the multi-rank tests check layouts with it.
 
 Every rank's return value comes back. A rank that raises or dies ends the world at once: the error names
@@ -33,7 +33,8 @@ def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any, collective_time
     """`fn(rank, world, *args)` on `world` local processes; every rank's result, by rank. `fn` and its
     arguments must be picklable (a module-level function). `collective_timeout_s` bounds how long a
     collective waits for a peer; `timeout_s`, when given, the whole world."""
-    from graphrl.executors.launcher import free_port, rank_context
+    from graphrl.executors.launcher import free_port
+    from graphrl.executors.rank_server import rank_context
 
     ctx = rank_context()
     results = ctx.Queue()

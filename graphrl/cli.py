@@ -522,6 +522,9 @@ def run(job: str, cluster: str | None, steps: int | None, seed: int | None, sche
         profile_memory: bool, quiet: bool, sets: tuple[str, ...]) -> None:
     """Compile JOB and run it: one process per rank on this machine. The first Ctrl-C (or SIGTERM) stops
     every rank after the step it is in and checkpoints that step; a second ends them at once."""
+    from graphrl.executors.rank_server import start_rank_server
+
+    start_rank_server()  # it imports torch for the ranks while this process compiles
     from graphrl.executors.launcher import launch_local
     from graphrl.executors.outputs import checkpoint_layout, read_meta
     from graphrl.executors.runfolder import claim_run_folder, record_outcome
