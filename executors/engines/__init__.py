@@ -94,7 +94,7 @@ def pad_piece(request: GenerationRequest, response_ids: Tensor, response_mask: T
 
 
 class NativeEngine:
-    """graphrl's own sampler (`executors.models.llama.generate`) on the role's module, which weight syncs
+    """graphrl's own sampler (`executors.models.sampling.generate`) on the role's module, which weight syncs
     update in place: nothing to reload."""
 
     name: Engine = "native"
