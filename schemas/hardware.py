@@ -46,7 +46,9 @@ class CollectiveFit(Frozen):
     latency_s: Real = Field(ge=0, description="Ring-model latency per step that fits the measurement, seconds.")
 
 
-CALIBRATION_FORMAT = 3
+# 4: general matmul shapes and vocabulary costs are measured at every thread count a rank may use, and a
+# vocabulary cost records its threads.
+CALIBRATION_FORMAT = 4
 """The version of a calibration file's content (`graphrl calibrate`): a file of another version is ignored,
 with a warning, since its figures may mean something else or miss ones the cost model now reads."""
 
@@ -90,6 +92,7 @@ class VocabCost(Frozen):
     pass's log-softmax and entropy, and a training pass's forward and backward of them."""
 
     vocab_size: Integer = Field(gt=0, description="Vocabulary entries per row measured.")
+    threads: Integer = Field(default=1, gt=0, description="torch intra-op threads of the measuring process.")
     generate: Real = Field(ge=0, description="Seconds per row and entry of sampling plus the sampled token's log-prob.")
     forward: Real = Field(ge=0, description="Seconds per row and entry of a log-prob pass (log-softmax, entropy).")
     train: Real = Field(ge=0, description="Seconds per row and entry of a training pass (that forward and its backward).")
@@ -301,13 +304,17 @@ class HardwareSpec(Frozen):
 
     def for_rank(self, threads: int, hidden_size: int, tokens: float = 0) -> "HardwareSpec":
         """This description for ranks of `threads` torch threads that run models `hidden_size` wide on
-        `tokens` tokens a step: the matmul fits measured with that many threads (all of them where none
-        was), and the host fit of those threads whose width, then step size, is nearest (the general
-        figures where none was made)."""
+        `tokens` tokens a step: the matmul fits and vocabulary costs measured with that many threads (with
+        the nearest thread count measured, where none was), and the host fit of those threads whose width,
+        then step size, is nearest (the general figures where none was made)."""
         update: dict = {}
-        same = tuple(f for f in self.matmuls if f.threads == threads)
-        if same and len(same) != len(self.matmuls):
-            update["matmuls"] = same
+        for field in ("matmuls", "vocab"):
+            measured: tuple[MatmulFit | VocabCost, ...] = getattr(self, field)
+            if measured:
+                nearest = min({m.threads for m in measured}, key=lambda t: (abs(math.log(t / threads)), -t))
+                same = tuple(m for m in measured if m.threads == nearest)
+                if len(same) != len(measured):
+                    update[field] = same
         fits = [f for f in self.host_fits if f.threads == threads]
         if fits:
             fit = min(fits, key=lambda f: (abs(math.log(f.hidden_size / hidden_size)),

@@ -1,7 +1,10 @@
 """`graphrl calibrate`: measure this machine and write the `cpu-local` hardware description.
 
-Measured, one thread per process as ranks run:
+Measured, one thread per process as ranks run by default:
 - matmul FLOP/s by size (the peak) and memory bandwidth (large tensor copies);
+- general matmul shapes (widths 128 to 2048: square, key/value, MLP up and down, vocabulary heads) and the
+  work over a vocabulary, with every thread count a rank may use (`rank_thread_counts`), so that a job never
+  calibrated is timed from rates measured near its own shapes and threads;
 - the host model: the executor's own model code (generation, a log-prob forward, a training step with
   loss, clipping and AdamW) timed on probe models of several depths and batch sizes, then fitted to the
   cost model's formulas, which give per-layer and per-pass host overheads and the achieved FLOP rate;
@@ -30,13 +33,19 @@ from graphrl.calibration.collectives import collective_fits, p2p_bandwidth_laten
 from graphrl.calibration.engines import engine_throughputs
 from graphrl.calibration.files import write_calibration
 from graphrl.calibration.fit import fit_host_model, report_fit
-from graphrl.calibration.job_probes import job_models, probe_jobs
+from graphrl.calibration.job_probes import general_probe_job, job_models, probe_jobs
 from graphrl.calibration.microbench import (
+    GENERAL_VOCAB,
+    general_matmul_shapes,
     instruction_overhead,
     matmul_flops,
     measure_matmuls,
+    measure_vocab,
     memory_bandwidth,
     model_matmul_shapes,
+    rank_thread_counts,
+    report_vocab,
+    usable_cores,
 )
 from graphrl.calibration.model_probes import probe_side_by_side
 from graphrl.calibration.speed import machine_speed
@@ -76,10 +85,21 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         tiny = MODEL_PRESETS["tiny-digits"]
         report("measuring the probe model's matmul shapes (one thread)...")
         fits = measure_matmuls(model_matmul_shapes(tiny, (1, 2)), 4, 1, report)
+        general_vocab = []
+        for t in rank_thread_counts(usable_cores()):
+            report(f"measuring general matmul shapes and a {GENERAL_VOCAB}-entry vocabulary ({t} thread(s))...")
+            fits += measure_matmuls(general_matmul_shapes(), 4, t, report)
+            general_vocab.append(measure_vocab(GENERAL_VOCAB, 16, 256, t))
+            report_vocab(general_vocab[-1], report)
         side_by_side = min(max_ranks, os.cpu_count() or 1) if with_p2p else 1
         report(f"timing the executor's model code on probe models ({side_by_side} process(es) side by side)...")
         probes = probe_side_by_side(side_by_side)
-        job_fits, vocab_costs, optimizer_param_s, job_probes = probe_jobs(targets, report)
+        # The general probe model first, as a job at each thread count, then the jobs given.
+        # (Without multi-process measurements, each on one process.)
+        cores = usable_cores()
+        probed = [general_probe_job(t, cores if with_p2p else t) for t in rank_thread_counts(cores)] + targets
+        job_fits, vocab_costs, optimizer_param_s, job_probes = probe_jobs(probed, report, fits, tuple(general_vocab))
+        vocab_costs = tuple(general_vocab) + vocab_costs
         # fp8 weights are dequantized at use on a CPU: the same matmul rate as unquantized ones.
         measured = base.model_copy(update=dict(peak_bf16_flops=peak, peak_fp8_flops=peak, memory_bandwidth=mem_bw,
                                                host_link_bandwidth=mem_bw, matmuls=fits + job_fits,
@@ -88,7 +108,7 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         fitted = fit_host_model(probes, measured)
         report_fit(probes, fitted, report)
         host_fits = []
-        for job, own in zip(targets, job_probes):
+        for job, own in zip(probed, job_probes):
             # A job on several ranks also learns from the data-parallel probes what a rank's update costs
             # beside its peers.
             together = own + ([p for p in probes if p.ranks > 1] if job.ranks > 1 else [])

@@ -21,6 +21,7 @@ from graphrl.calibration.microbench import (
     measure_optimizer,
     measure_vocab,
     model_matmul_shapes,
+    report_vocab,
 )
 from graphrl.calibration.model_probes import Probe, probe_model_code
 from graphrl.compiler.cost import param_count
@@ -60,6 +61,20 @@ def job_models(path: str | Path) -> JobModels:
                      workload.prompt_len, workload.response_len)
 
 
+# A model of a small LLM's width (SmolLM2's is 576, Qwen2.5-0.5B's 896), probed by `graphrl calibrate` without
+# a job as a job of its own at every thread count a rank may use: the host figures of models about this wide
+# (their per-layer and per-pass times, elementwise rates) then come from code of that width, not from the
+# 64-wide probe model's.
+GENERAL_PROBE_DIMS = ModelDims(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+                               num_kv_heads=2)
+
+
+def general_probe_job(threads: int, cores: int) -> JobModels:
+    """The general probe model as a job of ranks with `threads` threads each, as many as share `cores`."""
+    return JobModels(f"a {GENERAL_PROBE_DIMS.hidden_size}-wide probe model", ((GENERAL_PROBE_DIMS, 4),), threads, (1,),
+                     max(1, cores // threads), 8, 32, 16)
+
+
 # The job probes: the job's own per-rank batch (and a quarter of it) and lengths, at two depths (the
 # per-layer time is their difference): its own depth up to this many layers, and half of that. A layer
 # measured in a one- to three-layer model costs more than one deep in the stack (SmolLM2 generating 64
@@ -78,16 +93,17 @@ def _job_probe_times(rank: int, world: int, threads: int, *args: Any) -> list[Pr
     return probe_model_code(*args)
 
 
-def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
+def probe_jobs(jobs: list[JobModels], report: Callable[[str], None], known: tuple[MatmulFit, ...] = (),
+               known_vocab: tuple[VocabCost, ...] = ()
                ) -> tuple[tuple[MatmulFit, ...], tuple[VocabCost, ...], float, list[list[Probe]]]:
-    """Each job's matmul shapes and vocabulary work measured, the optimizer step at the largest job's
-    model size (seconds per parameter, 0 without a job), and its models' code timed at reduced depth, with
-    its threads (a list of probes per job)."""
+    """Each job's matmul shapes and vocabulary work measured (those not in `known` / `known_vocab`), the
+    optimizer step at the largest job's model size (seconds per parameter, 0 without a job), and its models'
+    code timed at reduced depth, with its threads (a list of probes per job)."""
     fits: list[MatmulFit] = []
-    vocabs: dict[int, VocabCost] = {}
+    vocabs: dict[tuple[int, int], VocabCost] = {(v.vocab_size, v.threads): v for v in known_vocab}  # by (size, threads)
     probes: list[list[Probe]] = []
     optimizer_param_s = 0.0
-    measured: set[tuple[int, int, int, int]] = set()
+    measured: set[tuple[int, int, int, int]] = {(f.k, f.n, f.dtype_bytes, f.threads) for f in known}
     previous = torch.get_num_threads()
     try:
         for job in jobs:
@@ -98,12 +114,11 @@ def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
                 report(f"measuring {job.name}'s matmul shapes ({len(shapes)} new)...")
                 fits += measure_matmuls(shapes, dtype_bytes, job.threads, report)
                 measured |= {(k, n, dtype_bytes, job.threads) for k, n in shapes}
-                if dims.vocab_size >= MIN_MEASURED_VOCAB and dims.vocab_size not in vocabs:
+                if dims.vocab_size >= MIN_MEASURED_VOCAB and (dims.vocab_size, job.threads) not in vocabs:
                     cost = measure_vocab(dims.vocab_size, job.batch, min(job.batch * job.response_len, 1024),
                                          job.threads)
-                    vocabs[dims.vocab_size] = cost
-                    report(f"  vocabulary of {dims.vocab_size}: {cost.generate * 1e9:.2f} ns per entry sampling, "
-                           f"{cost.forward * 1e9:.2f} log-prob pass, {cost.train * 1e9:.2f} training pass")
+                    vocabs[(dims.vocab_size, job.threads)] = cost
+                    report_vocab(cost, report)
                 torch.set_num_threads(job.threads)
                 # Side by side on as many processes as the job's ranks that share this machine's cores, as its
                 # ranks compute (each is slower than alone: shared caches and memory bandwidth).
@@ -123,4 +138,5 @@ def probe_jobs(jobs: list[JobModels], report: Callable[[str], None]
                    f"{optimizer_param_s * 1e9:.2f} ns per parameter")
     finally:
         torch.set_num_threads(previous)
-    return tuple(fits), tuple(vocabs.values()), optimizer_param_s, probes
+    new_vocab = tuple(v for key, v in vocabs.items() if v not in known_vocab)
+    return tuple(fits), new_vocab, optimizer_param_s, probes

@@ -8,6 +8,7 @@ reads the results as rates (`HardwareSpec`'s peak, bandwidths, `matmuls`, `vocab
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -51,6 +52,41 @@ def model_matmul_shapes(dims: ModelDims, tps: tuple[int, ...] = (1,)) -> set[tup
         shapes.update(timing.layer_matmul_shapes(dims, tp))
         shapes.add((dims.hidden_size, -(-dims.vocab_size // tp)))
     return shapes
+
+
+# Weight shapes measured for any job (a job's own shapes are measured with it, `graphrl calibrate JOB`): at
+# widths from a tiny model's to a 1B model's, the square projections, the attention's narrow key and value
+# projections, the MLP's wide up and down projections, and vocabulary heads. A shape not measured takes
+# the rate of the nearest measured one (`timing.matmul_seconds`).
+GENERAL_WIDTHS = (128, 256, 512, 1024, 2048)
+GENERAL_HEADS = ((256, 32768), (1024, 32768))
+GENERAL_VOCAB = 32768
+
+
+def general_matmul_shapes() -> set[tuple[int, int]]:
+    shapes = set(GENERAL_HEADS)
+    for w in GENERAL_WIDTHS:
+        shapes |= {(w, w), (w, w // 4), (w, 3 * w), (3 * w, w)}
+    return shapes
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS)
+        return os.cpu_count() or 1
+
+
+def rank_thread_counts(cores: int) -> tuple[int, ...]:
+    """The torch thread counts a local rank may be given on `cores` cores: one, the powers of two between,
+    and all of them (a one-rank job on the whole machine)."""
+    counts = {1, cores}
+    t = 2
+    while t < cores:
+        counts.add(t)
+        t *= 2
+    return tuple(sorted(counts))
 
 
 def measure_matmuls(shapes: set[tuple[int, int]], dtype_bytes: int, threads: int,
@@ -125,7 +161,13 @@ def measure_vocab(vocab_size: int, sample_rows: int, pass_rows: int, threads: in
         per_train = best_time(train, repeat=3, min_time_s=0.02) / (pass_rows * vocab_size)
     finally:
         torch.set_num_threads(previous)
-    return VocabCost(vocab_size=vocab_size, generate=per_sample, forward=per_forward, train=per_train)
+    return VocabCost(vocab_size=vocab_size, threads=threads, generate=per_sample, forward=per_forward,
+                     train=per_train)
+
+
+def report_vocab(cost: VocabCost, report: Callable[[str], None]) -> None:
+    report(f"  vocabulary of {cost.vocab_size}, {cost.threads} thread(s): {cost.generate * 1e9:.2f} ns per entry "
+           f"sampling, {cost.forward * 1e9:.2f} log-prob pass, {cost.train * 1e9:.2f} training pass")
 
 
 # Parameters past which the optimizer is not measured bigger (its rate is steady there).

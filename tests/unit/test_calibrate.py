@@ -17,6 +17,8 @@ from graphrl.calibration import harness, write_calibration
 from graphrl.calibration.collectives import COLLECTIVES, collective_fits, fit_collective, p2p_bandwidth_latency
 from graphrl.calibration.fit import HOST_FIELDS, fit_host_model, predicted_probe_s
 from graphrl.calibration.harness import LONG_CALL_S, phase_times, spawn
+from graphrl import calibration
+from graphrl.calibration import job_probes, microbench
 from graphrl.calibration.job_probes import job_probe_layers
 from graphrl.calibration.model_probes import Probe
 from graphrl.cli import main
@@ -30,11 +32,30 @@ from graphrl.schemas.model import MODEL_PRESETS
 
 
 def test_calibration_file_is_used_by_cpu_local(tmp_path, monkeypatch):
+    # The general shapes and probe model shrunk to keep the test short; what is measured for them is as a
+    # full calibration measures it.
+    monkeypatch.setattr(microbench, "GENERAL_WIDTHS", (64,))
+    monkeypatch.setattr(microbench, "GENERAL_HEADS", ((64, 2048),))
+    monkeypatch.setattr(calibration, "GENERAL_VOCAB", 2048)
+    monkeypatch.setattr(job_probes, "GENERAL_PROBE_DIMS", MODEL_PRESETS["tiny-digits"].model_copy(
+        update=dict(hidden_size=96, num_heads=4, num_kv_heads=2, num_layers=2)))
+    monkeypatch.setattr(calibration, "rank_thread_counts", lambda cores: (1, 2))
     target = tmp_path / "cpu-local.json"
     out = CliRunner().invoke(main, ["calibrate", "--no-p2p", "-o", str(target)])
     assert out.exit_code == 0, out.output
     spec = HardwareSpec.model_validate_json(target.read_text())
     assert spec.peak_bf16_flops > 1e8 and spec.memory_bandwidth > 1e8
+    # A job never calibrated is timed from general shapes, vocabulary work and host figures measured with
+    # every thread count a rank may use, and from the optimizer's own rate.
+    for threads in (1, 2):
+        assert {(f.k, f.n) for f in spec.matmuls if f.threads == threads} >= {(64, 64), (64, 16), (64, 192), (192, 64),
+                                                                           (64, 2048)}
+        assert [(v.vocab_size, v.threads) for v in spec.vocab if v.threads == threads] == [(2048, threads)]
+        assert {(f.hidden_size, f.threads) for f in spec.host_fits} >= {(96, threads)}
+    assert spec.optimizer_param_s > 0
+    narrow = spec.for_rank(2, 96)
+    assert {f.threads for f in narrow.matmuls} == {2} and {v.threads for v in narrow.vocab} == {2}
+    assert narrow.train_layer_overhead_s == next(f for f in spec.host_fits if f.threads == 2).train_layer_overhead_s
     monkeypatch.setenv("GRAPHRL_CALIBRATION", str(target))
     assert resolve_hardware(CLUSTER_PRESETS["local-cpu-2"]) == spec
     monkeypatch.setenv("GRAPHRL_CALIBRATION", "none")

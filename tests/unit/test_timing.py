@@ -643,8 +643,13 @@ def test_for_rank_picks_the_fits_of_its_threads_and_width() -> None:
     # Width 512 is nearer 1024; one thread has one fit of its own.
     assert hw.for_rank(2, 512).layer_overhead_s == 2e-4
     assert hw.for_rank(1, 64).matmuls == (one,) and hw.for_rank(1, 64).layer_overhead_s == 3e-4
-    # Four threads were never measured: every matmul fit and the general host figures.
-    assert hw.for_rank(4, 64) is hw
+    # Four threads were never measured: the matmuls of the nearest thread count measured (two) and the
+    # general host figures; the vocabulary costs likewise by their threads.
+    vocab = (VocabCost(vocab_size=1000, threads=1, generate=1e-9, forward=2e-9, train=3e-9),
+             VocabCost(vocab_size=1000, threads=2, generate=5e-10, forward=1e-9, train=2e-9))
+    four = hw.model_copy(update=dict(vocab=vocab)).for_rank(4, 64)
+    assert four.matmuls == (two,) and four.vocab == vocab[1:] and four.layer_overhead_s == hw.layer_overhead_s
+    assert hw.model_copy(update=dict(vocab=vocab)).for_rank(1, 64).vocab == vocab[:1]
     assert TOY_HW.for_rank(1, 8) is TOY_HW
 
 
