@@ -20,26 +20,29 @@ from graphrl.compiler.weight_sync import WeightSyncPlan
 
 
 
-def lower_schedule(schedule: Schedule, sync: WeightSyncPlan, durations: dict[CostKey, float]) -> Programs:
-    """The plan's programs for the scheduled run."""
-    weight_syncs = {sync.transfer: sync.record} if sync.record is not None else {}
+def lower_schedule(schedule: Schedule, sync: WeightSyncPlan, durations: Mapping[CostKey, float]) -> Programs:
+    """The plan's programs for the scheduled run, with `durations` (the cost model's for the layout) and the
+    weight sync's seconds and record, read last: a large DDMA plan is still being made meanwhile."""
     groups = dict(schedule.groups)
     every = schedule.checkpoint_every
     if schedule.fold_from is None:
         streams = [list(s) for s in schedule.transcripts[schedule.steps]]
-        return Programs.unrolled(schedule.steps, streams, groups, weight_syncs, durations, every)
-    n = schedule.fold_from
-    short, longer, check = (schedule.transcripts[k] for k in (n, n + 1, n + 2))
-    ranks = [_fold_rank(list(x), list(y), n) for x, y in zip(short, longer)]
-    folded = Programs(schedule.steps, ranks, groups, weight_syncs, durations, every)
-    # The fold reproduces the two transcripts it came from by construction; it is a claim about every
-    # run length, so check it on one more before trusting it.
-    window = dataclasses.replace(folded, steps=n + 2)
-    for rank, reference in enumerate(check):
-        expanded = list(window.rank_stream(rank))
-        if expanded != _filtered(reference, n + 2, every):
-            raise AssertionError(f"rank {rank}: the periodic program differs from the {n + 2}-step transcript")
-    return folded
+        programs = Programs.unrolled(schedule.steps, streams, groups, {}, {}, every)
+    else:
+        n = schedule.fold_from
+        short, longer, check = (schedule.transcripts[k] for k in (n, n + 1, n + 2))
+        ranks = [_fold_rank(list(x), list(y), n) for x, y in zip(short, longer)]
+        programs = Programs(schedule.steps, ranks, groups, {}, {}, every)
+        # The fold reproduces the two transcripts it came from by construction; it is a claim about every
+        # run length, so check it on one more before trusting it.
+        window = dataclasses.replace(programs, steps=n + 2)
+        for rank, reference in enumerate(check):
+            expanded = list(window.rank_stream(rank))
+            if expanded != _filtered(reference, n + 2, every):
+                raise AssertionError(f"rank {rank}: the periodic program differs from the {n + 2}-step transcript")
+    programs.weight_syncs = {sync.transfer: sync.record} if sync.record is not None else {}
+    programs.durations = predicted_durations(durations, sync)
+    return programs
 
 
 def _filtered(stream: tuple[Instruction, ...], steps: int, every: int) -> list[Instruction]:

@@ -17,7 +17,7 @@ from graphrl.ops import rollout_bytes_per_response
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.program import CostKey, Programs
 
-from graphrl.compiler.lower import check_lowered, lower_schedule, predicted_durations
+from graphrl.compiler.lower import check_lowered, lower_schedule
 from graphrl.compiler.offload import check_offload, plan_offload
 from graphrl.compiler.passes import CompileContext, Pass, compiler_pass, run_passes
 from graphrl.compiler.place import check_placement, place_job
@@ -85,11 +85,11 @@ def _check_weight_sync(s: Compilation) -> list[str]:
 
 @compiler_pass("weight_sync", requires=("placement",), ensures=("weight_sync",), spec=_check_weight_sync)
 def weight_sync_pass(s: Compilation, ctx: CompileContext) -> Compilation:
-    """How each new policy version reaches the generator: DDMA copy or in-place reshard; the layout's
-    operation then shows the planned sync's cost (the search timed it from the layout alone)."""
+    """How each new policy version reaches the generator: DDMA copy or in-place reshard. A large DDMA plan is
+    made on a second core while the passes up to lowering run (`WeightSyncPlan.planned`)."""
     placed = need(s.placement, "placement")
-    sync = plan_policy_sync(placed.shape, placed.chosen, placed.durations, stored=s.settings.stored)
-    return replace(s, weight_sync=sync, placement=replace(placed, chosen=with_sync_timed(placed.chosen, sync)))
+    return replace(s, weight_sync=plan_policy_sync(placed.shape, placed.chosen, placed.durations,
+                                                   stored=s.settings.stored))
 
 
 @compiler_pass("schedule", requires=("placement", "offload", "reshard", "weight_sync"), ensures=("schedule",),
@@ -106,19 +106,20 @@ def schedule_pass(s: Compilation, ctx: CompileContext) -> Compilation:
                spec=lambda s: check_lowered(need(s.programs, "programs"), need(s.schedule, "schedule")))
 def lower_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """Each rank's typed program: prologue, periodic body, epilogue, with predicted durations."""
-    sync = need(s.weight_sync, "weight_sync")
-    durations = predicted_durations(need(s.placement, "placement").durations, sync)
-    return replace(s, programs=lower_schedule(need(s.schedule, "schedule"), sync, durations))
+    placed, sync = need(s.placement, "placement"), need(s.weight_sync, "weight_sync")
+    programs = lower_schedule(need(s.schedule, "schedule"), sync, placed.durations)
+    # The layout's weight-sync operation shows the planned sync's cost (the search timed it from the layout).
+    return replace(s, programs=programs, placement=replace(placed, chosen=with_sync_timed(placed.chosen, sync)))
 
 
 # The passes that turn a placed layout into its programs: the pipeline runs them on the chosen layout,
 # and the placement refinement, the baseline and `graphrl simulate` on other layouts, lengths and modes.
 PROGRAM_PASSES: tuple[Pass, ...] = (
+    weight_sync_pass,  # each new policy version -> generator: DDMA rounds (a large plan on a second core), or in place
     offload_pass,     # what each role moves off its devices between uses, and how many bytes
     reshard_pass,     # each step's responses: generator replicas -> trainer ranks, by prompt group
-    weight_sync_pass,  # each new policy version -> generator: DDMA rounds, or an in-place reshard
     schedule_pass,    # every rank's instruction order: versions per step (sync/async), checkpoints
-    lower_pass,       # per-rank programs: prologue, one-step periodic body, epilogue; durations
+    lower_pass,       # per-rank programs: prologue, one-step periodic body, epilogue; durations and the sync's plan
 )
 
 
@@ -180,19 +181,26 @@ def baseline_programs(s: Compilation, ctx: CompileContext, steps: int) -> Progra
                        ProgramSettings(steps=steps, mode="sync", periodic=False, stored=False))
 
 
+@compiler_pass("baseline", requires=("placement",), ensures=("placement",))
+def baseline_pass(s: Compilation, ctx: CompileContext) -> Compilation:
+    """The baseline beside the chosen layout (colocated, synchronous): its own programs' steady state over the
+    one window, on every cluster. It needs nothing of the chosen layout's programs, so it runs while a large
+    weight-sync plan is still being made."""
+    placed = need(s.placement, "placement")
+    steps = min(s.settings.steps, STEADY_WINDOW_STEPS)
+    base_programs = baseline_programs(s, ctx, steps)
+    if placed.baseline is None or base_programs is None:
+        return s
+    return replace(s, placement=replace(placed, baseline=_estimated(placed.baseline, base_programs, s)))
+
+
 @compiler_pass("estimate", requires=("placement", "programs"), ensures=("placement",))
 def estimate_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     """The plan's one predicted step time: the simulator's steady state of the chosen layout's own programs
     (the ones the plan stores and the ranks run) over the one window, with the preview's phases from the
-    same simulation. The baseline beside it is its own programs' over the same window, on every cluster."""
+    same simulation."""
     placed = need(s.placement, "placement")
-    programs = need(s.programs, "programs")
-    chosen = _estimated(placed.chosen, programs, s)
-    baseline = placed.baseline
-    base_programs = baseline_programs(s, ctx, min(programs.steps, STEADY_WINDOW_STEPS))
-    if baseline is not None and base_programs is not None:
-        baseline = _estimated(baseline, base_programs, s)
-    return replace(s, placement=replace(placed, chosen=chosen, baseline=baseline))
+    return replace(s, placement=replace(placed, chosen=_estimated(placed.chosen, need(s.programs, "programs"), s)))
 
 
 @compiler_pass("verify", requires=("programs", "placement"), ensures=("verified",))
@@ -215,7 +223,9 @@ FRONT: tuple[Pass, ...] = (
 PIPELINE: tuple[Pass, ...] = FRONT + (
     placement_pass,   # meshes and layouts per role; drops what does not fit; ranks by step time
     refine_placement_pass,  # small clusters: re-rank the best candidates by simulating PROGRAM_PASSES' programs
-    *PROGRAM_PASSES,  # offload, reshard, weight_sync, schedule, lower (above)
+    *PROGRAM_PASSES[:-1],  # weight_sync, offload, reshard, schedule (above)
+    baseline_pass,    # the baseline's step time, from its own programs, while the weight-sync plan is made
+    lower_pass,       # the chosen layout's programs, with the sync's plan (above)
     estimate_pass,    # the plan's one step time and its phases: the simulator's steady state of those programs
     verify_pass,      # no deadlock, memory fits at every instruction, staleness bound holds
 )

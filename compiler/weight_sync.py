@@ -24,6 +24,7 @@ from graphrl.schemas.program import CostKey
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.weightsync import WeightSyncKind, WeightSyncRecord
 
+from graphrl.compiler.background import Later
 from graphrl.compiler.cost import BF16_BYTES, timing
 from graphrl.compiler.ddma import DDMA_BUCKET_BYTES, gc_paused, plan_llama_sync, sync_record
 from graphrl.compiler.roles import JobShape
@@ -37,11 +38,18 @@ class WeightSyncPlan:
     """No generator; colocated (resharded in place, on the trainer's own devices); disaggregated (DDMA copy)."""
     transfer: str
     """The transfer's name in the plan (`model:trainer->generator`)."""
-    seconds: float
-    """Predicted seconds of one sync."""
-    record: WeightSyncRecord | None = None
-    """The DDMA plan the executors run: a `ddma` copy's, or an `in_place` reshard's into a tensor-parallel
-    generator (`needs_record`)."""
+    planned: Later[tuple[float, WeightSyncRecord | None]]
+    """Predicted seconds of one sync, and the DDMA plan the executors run (a `ddma` copy's, or an `in_place`
+    reshard's into a tensor-parallel generator: `needs_record`). A large DDMA plan is made on a second core
+    while the schedule and the programs are built (`ddma_record_later`); only lowering waits for it."""
+
+    @property
+    def seconds(self) -> float:
+        return self.planned.get()[0]
+
+    @property
+    def record(self) -> WeightSyncRecord | None:
+        return self.planned.get()[1]
 
 
 def needs_record(kind: WeightSyncKind, gen_tp: int) -> bool:
@@ -59,7 +67,7 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
     transfer = f"{policy.model}:trainer->generator"
     gen_role = shape.generator
     if gen_role is None:
-        return WeightSyncPlan("none", transfer, 0.0)
+        return WeightSyncPlan("none", transfer, Later.now((0.0, None)))
     train, gen = shape.policy_meshes(layout)
     placement = next(p for p in layout.placements if p.role == gen_role.name)
     precision = placement.precision
@@ -67,17 +75,19 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
     if layout.strategy == "colocated":
         seconds = durations[CostKey("ReshardInPlace", policy.model)]
         if not (stored and needs_record("in_place", placement.tp)):
-            return WeightSyncPlan("in_place", transfer, seconds)
-        record, _ = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
+            return WeightSyncPlan("in_place", transfer, Later.now((seconds, None)))
+        planned = ddma_record_later(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
+                                    precision)
+        return WeightSyncPlan("in_place", transfer, planned.then(
+            lambda made: (seconds, made[0].model_copy(update={"predicted_s": seconds}))))
+    planned = ddma_record_later(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
                                 precision)
-        return WeightSyncPlan("in_place", transfer, seconds, record.model_copy(update={"predicted_s": seconds}))
-    record, seconds = ddma_record(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
-                                  precision)
-    if placement.engine != "native":  # the engine then takes the delivered weights into its own
-        seconds += timing.engine_refit_seconds(gen_role.dims, shape.hardware, placement.tp,
-                                               max(gen_role.weight_bytes, BF16_BYTES),
-                                               placement.tp > shape.devices_per_node)
-    return WeightSyncPlan("ddma", transfer, seconds, record)
+    if placement.engine == "native":
+        return WeightSyncPlan("ddma", transfer, planned.then(lambda made: (made[1], made[0])))
+    # The engine then takes the delivered weights into its own.
+    refit = timing.engine_refit_seconds(gen_role.dims, shape.hardware, placement.tp,
+                                        max(gen_role.weight_bytes, BF16_BYTES), placement.tp > shape.devices_per_node)
+    return WeightSyncPlan("ddma", transfer, planned.then(lambda made: (made[1] + refit, made[0])))
 
 
 def with_sync_timed(layout: Layout, sync: WeightSyncPlan) -> Layout:
@@ -90,14 +100,33 @@ def with_sync_timed(layout: Layout, sync: WeightSyncPlan) -> Layout:
     return layout.model_copy(update={"operations": operations})
 
 
+# A DDMA plan between meshes of this many (sender, receiver) rank pairs or more is made on a second core
+# while the compiler goes on (`ddma_record_later`): at 176 x 848 (the 405B example) it is ~0.8 s of planning
+# beside ~0.7 s of scheduling and folding; a small one is made at once (a fork costs more than it saves).
+BACKGROUND_MIN_PAIRS = 4096
+
+
 @functools.lru_cache(maxsize=16)
+def ddma_record_later(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
+                      precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> Later[tuple[WeightSyncRecord, float]]:
+    """`ddma_record`'s result, made in a forked child where the plan is large and a spare core runs it.
+
+    Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
+    schedules one layout both sync and async; a 405B plan takes a second to make. The record is frozen."""
+    if len(src.devices) * len(dst.devices) >= BACKGROUND_MIN_PAIRS:
+        return Later.forked(_ddma_record, dims, model, hw, per_node, src, dst, precision, bucket_bytes)
+    return Later.now(_ddma_record(dims, model, hw, per_node, src, dst, precision, bucket_bytes))
+
+
 def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
                 precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
     """Plan the trainer -> generator weight copy (`graphrl.compiler.ddma`); return (the record the plan stores,
-    predicted seconds: each round as long as its largest bucket on the links it crosses).
+    predicted seconds: each round as long as its largest bucket on the links it crosses)."""
+    return ddma_record_later(dims, model, hw, per_node, src, dst, precision, bucket_bytes).get()
 
-    Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
-    schedules one layout both sync and async; a 405B plan takes seconds to plan. The record is frozen."""
+
+def _ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
+                 precision: str, bucket_bytes: int) -> tuple[WeightSyncRecord, float]:
     with gc_paused():  # the plan is dropped before the collector runs again (~10^6 objects at 405B)
         plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes)
         spans = timing.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)

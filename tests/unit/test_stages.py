@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from graphrl.cli import main
 from graphrl.compiler import candidates, passes
+from graphrl.compiler.background import Later
 from graphrl.compiler.compile import start, with_steps
 from graphrl.loader import job_cluster, load_job
 from graphrl.schemas.program import CostKey, Recv
@@ -20,7 +21,7 @@ from graphrl.schemas.weightsync import Round
 from graphrl.compiler.hardware import resolve_hardware
 from graphrl.compiler.offload import RoleOffload
 from graphrl.compiler.passes import CompileContext, PassFailure, run_passes
-from graphrl.compiler.pipeline import PIPELINE
+from graphrl.compiler.pipeline import PIPELINE, PROGRAM_PASSES
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -34,8 +35,11 @@ def _compile(name: str, passes=PIPELINE, **options):  # noqa: ANN001, ANN202
 
 
 def test_the_pipeline_is_the_designs_passes() -> None:
-    assert [p.name for p in PIPELINE] == ["typecheck", "placement", "refine_placement", "offload", "reshard",
-                                          "weight_sync", "schedule", "lower", "estimate", "verify"]
+    assert [p.name for p in PIPELINE] == ["typecheck", "placement", "refine_placement", "weight_sync", "offload",
+                                          "reshard", "schedule", "baseline", "lower", "estimate", "verify"]
+    # The chosen layout's programs are made by the same passes as every other layout's.
+    names = [p.name for p in PIPELINE]
+    assert [n for n in names if n in {p.name for p in PROGRAM_PASSES}] == [p.name for p in PROGRAM_PASSES]
     # Every pass after placement reads only what the passes before it ensured.
     ensured: set[str] = set()
     for p in PIPELINE:
@@ -96,7 +100,8 @@ def _same_sender_twice_in_a_round(graph):  # noqa: ANN001, ANN202
     n = len(record.columns)
     columns = record.columns + [(src, src), (dst, dst + 1), (contents, contents)]
     rounds = [Round(n, n + 1, n + 2)] + record.rounds[1:]
-    return _replace_attr(graph, "weight_sync", record=record.model_copy(update={"columns": columns, "rounds": rounds}))
+    spoiled = record.model_copy(update={"columns": columns, "rounds": rounds})
+    return _replace_attr(graph, "weight_sync", planned=Later.now((graph.weight_sync.seconds, spoiled)))
 
 
 def _drop_a_receive(graph):  # noqa: ANN001, ANN202
