@@ -37,8 +37,10 @@ def test_calibration_file_is_used_by_cpu_local(tmp_path, monkeypatch):
     monkeypatch.setattr(microbench, "GENERAL_WIDTHS", (64,))
     monkeypatch.setattr(microbench, "GENERAL_HEADS", ((64, 2048),))
     monkeypatch.setattr(calibration, "GENERAL_VOCAB", 2048)
-    monkeypatch.setattr(job_probes, "GENERAL_PROBE_DIMS", MODEL_PRESETS["tiny-digits"].model_copy(
-        update=dict(hidden_size=96, num_heads=4, num_kv_heads=2, num_layers=2)))
+    probe_dims = MODEL_PRESETS["tiny-digits"].model_copy(update=dict(hidden_size=96, num_heads=4, num_kv_heads=2,
+                                                                     num_layers=2))
+    monkeypatch.setattr(calibration, "general_probe_job", lambda threads, cores: job_probes.JobModels(
+        "a 96-wide probe model", ((probe_dims, 4),), threads, (1,), max(1, cores // threads), 4, 6, 4))
     monkeypatch.setattr(calibration, "rank_thread_counts", lambda cores: (1, 2))
     target = tmp_path / "cpu-local.json"
     out = CliRunner().invoke(main, ["calibrate", "--no-p2p", "-o", str(target)])
