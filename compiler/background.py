@@ -26,14 +26,17 @@ U = TypeVar("U")
 _UNSET = object()
 
 
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS): count the cores
+        return os.cpu_count() or 1
+
+
 def spare_core() -> bool:
     """Whether a forked child would run beside this process rather than take turns with it."""
-    if not hasattr(os, "fork"):
-        return False
-    try:
-        return len(os.sched_getaffinity(0)) > 1
-    except AttributeError:  # no affinity call (macOS): count the cores
-        return (os.cpu_count() or 1) > 1
+    return hasattr(os, "fork") and usable_cores() > 1
 
 
 class Later(Generic[T]):
@@ -114,4 +117,4 @@ class Later(Generic[T]):
                 pass
 
 
-__all__ = ["Later", "spare_core"]
+__all__ = ["Later", "spare_core", "usable_cores"]

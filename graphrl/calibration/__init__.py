@@ -45,10 +45,10 @@ from graphrl.calibration.microbench import (
     model_matmul_shapes,
     rank_thread_counts,
     report_vocab,
-    usable_cores,
 )
 from graphrl.calibration.model_probes import probe_side_by_side
 from graphrl.calibration.speed import machine_speed
+from graphrl.compiler.background import usable_cores
 from graphrl.executors.host_memory import keep_freed_host_memory
 from graphrl.schemas.hardware import HARDWARE_PRESETS, HOST_FIT_FIELDS, HardwareSpec, HostFit
 from graphrl.schemas.model import MODEL_PRESETS
@@ -86,7 +86,8 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         report("measuring the probe model's matmul shapes (one thread)...")
         fits = measure_matmuls(model_matmul_shapes(tiny, (1, 2)), 4, 1, report)
         general_vocab = []
-        for t in rank_thread_counts(usable_cores()):
+        cores = usable_cores()
+        for t in rank_thread_counts(cores):
             report(f"measuring general matmul shapes and a {GENERAL_VOCAB}-entry vocabulary ({t} thread(s))...")
             fits += measure_matmuls(general_matmul_shapes(), 4, t, report)
             general_vocab.append(measure_vocab(GENERAL_VOCAB, 16, 256, t))
@@ -96,7 +97,6 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         probes = probe_side_by_side(side_by_side)
         # The general probe model first, as a job at each thread count, then the jobs given.
         # (Without multi-process measurements, each on one process.)
-        cores = usable_cores()
         probed = [general_probe_job(t, cores if with_p2p else t) for t in rank_thread_counts(cores)] + targets
         job_fits, vocab_costs, optimizer_param_s, job_probes = probe_jobs(probed, report, fits, tuple(general_vocab))
         vocab_costs = tuple(general_vocab) + vocab_costs

@@ -8,7 +8,6 @@ reads the results as rates (`HardwareSpec`'s peak, bandwidths, `matmuls`, `vocab
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -68,14 +67,6 @@ def general_matmul_shapes() -> set[tuple[int, int]]:
     for w in GENERAL_WIDTHS:
         shapes |= {(w, w), (w, w // 4), (w, 3 * w), (3 * w, w)}
     return shapes
-
-
-def usable_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity call (macOS)
-        return os.cpu_count() or 1
 
 
 def rank_thread_counts(cores: int) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from graphrl.executors.models.llama import Llama
-from graphrl.executors.models.hf_checkpoint import save_hf_checkpoint
+from graphrl.executors.models.hf_checkpoint import save_hf_checkpoint, save_hf_state
 from graphrl.models.checkpoints import checkpoint_dims, is_gguf, load_state
 from graphrl.models.tokenizer import Tokenizer, load_tokenizer
 from graphrl.schemas.model import ModelDims
@@ -138,16 +138,8 @@ __all__ = ["IMPORT_MARKER", "check_import_target", "checkpoint_dims", "export_tr
 def export_trained(folder: str | Path, dims: ModelDims, weights: dict[str, torch.Tensor],
                    tokenizer_source: str | Path | None) -> Path:
     """A trained policy's weights as a Hugging Face folder, with the tokenizer of the checkpoint it began from."""
-    from safetensors.torch import save_file
-
-    from graphrl.executors.models.hf_checkpoint import hf_config_from_dims
-
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    dtype = next(iter(tensors.values())).dtype
-    (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_hf_state(weights, dims, folder)
     if tokenizer_source is not None and has_tokenizer(Path(tokenizer_source)):
         load_tokenizer(tokenizer_source).save_pretrained(str(folder))
     return folder
