@@ -71,7 +71,8 @@ def _scaled_mm_capable(device: torch.device) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """A bias-free linear layer whose weight is fp8 with per-output-channel float32 scales.
+    """A linear layer whose weight is fp8 with per-output-channel float32 scales (a bias, a Qwen2's q/k/v
+    one, stays in the compute dtype: it is added once per output, not multiplied).
 
     `weight` keeps the parameter name of the `nn.Linear` it replaces (so checkpoint and weight-sync names
     do not change) and never trains; `weight_scale` is a buffer. `compute_dtype` is the model's dtype:
@@ -79,7 +80,7 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, compute_dtype: torch.dtype,
-                 device: torch.device | str | None = None, matmul: Matmul = "auto") -> None:
+                 device: torch.device | str | None = None, matmul: Matmul = "auto", bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = compute_dtype
@@ -87,13 +88,18 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+                     if bias else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, matmul: Matmul = "auto") -> "Fp8Linear":
         """The quantized copy of `linear` (same device; its dtype becomes the compute dtype)."""
         out = cls(linear.in_features, linear.out_features, compute_dtype=linear.weight.dtype,
-                  device=linear.weight.device, matmul=matmul)
+                  device=linear.weight.device, matmul=matmul, bias=linear.bias is not None)
         out.load_(linear.weight)
+        if linear.bias is not None and out.bias is not None:
+            with torch.no_grad():
+                out.bias.copy_(linear.bias)
         return out
 
     @torch.no_grad()
@@ -118,6 +124,10 @@ class Fp8Linear(nn.Module):
                 and self.out_features % 16 == 0 and _scaled_mm_capable(self.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
+        out = self._product(x)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _product(self, x: Tensor) -> Tensor:
         if self.uses_scaled_mm(x):
             try:
                 return self._scaled_mm(x)

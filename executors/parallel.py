@@ -273,7 +273,8 @@ def trainer_mesh_groups(ranks: tuple[int, ...], tp: int, rank: int, timeout_s: f
 def parallelize_llama(model: nn.Module, tp_mesh: Any, *, pack: bool = False) -> nn.Module:
     """Shard a Llama or critic in place over a 1-D tensor-parallel mesh, as the model's sharding description
     (`schemas/sharding.py`) says: q/k/v/gate/up colwise, o/down rowwise, the embedding and an untied head
-    by vocabulary rows; norms and a critic's value head replicated. Return the adapter whose forward gives the role's
+    by vocabulary rows; norms and a critic's value head replicated (a Qwen3's per-head q/k norms, applied to
+    each rank's own heads, sum their gradients over tp). Return the adapter whose forward gives the role's
     per-token outputs as plain tensors replicated over tp (packing sequences with `pack`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -286,8 +287,12 @@ def parallelize_llama(model: nn.Module, tp_mesh: Any, *, pack: bool = False) -> 
     if (why := tp_split_problem(dims, tp, "train")) is not None:
         raise RunError(f"a trained or frozen model cannot be split {tp} ways: {why}", fix="pin a smaller tp for the trainer")
     for layer in model.model.layers:
-        layer.self_attn.num_heads //= tp  # the reshapes see this rank's heads only
-        layer.self_attn.num_kv_heads //= tp
+        attn = layer.self_attn
+        attn.num_heads //= tp  # the reshapes see this rank's heads only
+        attn.num_kv_heads //= tp
+        for norm in (attn.q_norm, attn.k_norm):  # whole on every rank, applied to its own heads
+            if norm is not None:
+                norm.grad_group = tp_mesh.get_group()
     head = "value" if isinstance(model, LlamaCritic) else "lm"
     plan = {name: _parallel_style(spec) for name, spec, _ in llama_modules(dims, head)
             if spec.tp is not TpStyle.REPLICATE}

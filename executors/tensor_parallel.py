@@ -1,4 +1,4 @@
-"""Tensor-parallel generation: a Llama whose weights are 1/t shards over a tensor-parallel group.
+"""Tensor-parallel generation: a decoder (any family) whose weights are 1/t shards over a tensor-parallel group.
 
 A generator role with `tp = t` runs on a group of t ranks; each holds the shards below, runs the same
 KV-cache generation loop as the unsharded model (`models/llama.py:generate`) and samples the same
@@ -6,11 +6,12 @@ tokens. The shards are exactly the regions the model's sharding description (`sc
 generator mesh (dp x tp), cut as DTensor's `Shard` cuts (`chunk_bounds`), so a DDMA weight sync writes
 straight into them:
 
-- q/k/v/gate/up_proj: output rows split (column parallel): heads and SwiGLU features split;
+- q/k/v/gate/up_proj: output rows split (column parallel): heads and SwiGLU features split, with a
+  Qwen2's q/k/v biases;
 - o/down_proj: input columns split (row parallel): a partial sum per rank, one all-reduce per layer;
 - embed_tokens (and lm_head): vocabulary rows split: each rank looks up the tokens of its rows (zeros
   elsewhere) and one all-reduce sums; logits of the rank's rows are all-gathered before sampling;
-- norms replicated.
+- norms replicated (a Qwen3's per-head q/k norms too: each rank applies them to its own heads).
 
 KV heads: with t <= kv_heads a rank holds kv_heads / t of them. With t > kv_heads (a multiple) each KV
 head is replicated on t / kv_heads ranks, as the cost model assumes. The plan still delivers each rank
@@ -135,9 +136,10 @@ class TensorParallelLlama(Llama):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.num_heads, attn.num_kv_heads = heads, kv_heads
-            attn.q_proj = nn.Linear(h, heads * hd, bias=False, **factory)
-            attn.k_proj = nn.Linear(h, kv_heads * hd, bias=False, **factory)
-            attn.v_proj = nn.Linear(h, kv_heads * hd, bias=False, **factory)
+            bias = bool(dims.qkv_bias)  # a bias is cut as its projection's rows; q/k norms stay whole
+            attn.q_proj = nn.Linear(h, heads * hd, bias=bias, **factory)
+            attn.k_proj = nn.Linear(h, kv_heads * hd, bias=bias, **factory)
+            attn.v_proj = nn.Linear(h, kv_heads * hd, bias=bias, **factory)
             attn.o_proj = RowParallelLinear(heads * hd, h, tp, **factory)
             mlp.gate_proj = nn.Linear(h, i_hi - i_lo, bias=False, **factory)
             mlp.up_proj = nn.Linear(h, i_hi - i_lo, bias=False, **factory)

@@ -1,15 +1,30 @@
-"""Model architectures: published Llama 3 presets, tiny CPU presets, or explicit dimensions."""
+"""Model architectures: published Llama 3, Qwen2.5 and Qwen3 presets, tiny CPU presets, or explicit dimensions.
+
+One decoder describes every family graphrl runs; a family is data (`ModelDims.family` and the switches it
+implies), never a copy of the model: Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU), Qwen2 and
+Qwen2.5 (the same with biases on the q/k/v projections), Qwen3 (no biases; an RMSNorm over each query and
+key head before RoPE, and a head width of its own rather than hidden / heads).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from graphrl.schemas.base import Boolean, Frozen, Integer, Real
 
 DType = Literal["float32", "bfloat16", "float16"]
+# The decoder families graphrl builds, by their Hugging Face `model_type`.
+Family = Literal["llama", "qwen2", "qwen3"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# What each family switches on unless the dims say otherwise: q/k/v biases, and per-head q/k norms.
+FAMILY_DEFAULTS: dict[str, dict[str, bool]] = {
+    "llama": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+}
 
 
 class RopeScaling(Frozen):
@@ -30,7 +45,8 @@ class RopeScaling(Frozen):
 
 
 class ModelDims(Frozen):
-    """Dimensions of a Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+    """Dimensions of a decoder of one of the `FAMILIES`: RMSNorm, RoPE, grouped-query attention, SwiGLU,
+    with the family's q/k/v biases and per-head q/k norms as switches."""
 
     vocab_size: Integer = Field(gt=0, description="Number of tokens in the vocabulary.")
     hidden_size: Integer = Field(gt=0, description="Width of the residual stream (d_model).")
@@ -38,23 +54,65 @@ class ModelDims(Frozen):
     num_layers: Integer = Field(gt=0, description="Number of transformer blocks.")
     num_heads: Integer = Field(gt=0, description="Number of query heads.")
     num_kv_heads: Integer = Field(gt=0, description="Number of key/value heads (grouped-query attention).")
+    head_dim: Integer = Field(default=0, ge=0, description="Width of one attention head; 0 (the default) means "
+                              "hidden_size / num_heads, as Llama and Qwen2 have it (Qwen3 names its own).")
     max_seq_len: Integer = Field(default=8192, gt=0, description="Longest sequence (prompt + response) supported.")
     rope_theta: Real = Field(default=500000.0, gt=0, description="RoPE base frequency.")
     norm_eps: Real = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: Boolean = Field(default=False, description="Share the input embedding and the output head.")
     rope_scaling: RopeScaling | None = Field(default=None, description="RoPE frequency scaling (Llama 3.1+).")
+    family: Family = Field(default="llama", description=f"The architecture family (Hugging Face model_type): "
+                           f"one of {', '.join(FAMILIES)}. It sets the defaults of qkv_bias and qk_norm.")
+    qkv_bias: Boolean | None = Field(default=None, description="Biases on the q, k and v projections "
+                                     "(default: the family's; Qwen2 has them).")
+    qk_norm: Boolean | None = Field(default=None, description="An RMSNorm over each query and key head before "
+                                    "RoPE (default: the family's; Qwen3 has it).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data: Any) -> Any:
+        """Fill what the family implies, so every reader sees plain values: the switches, and head_dim."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        defaults = FAMILY_DEFAULTS.get(data.get("family", "llama"))
+        if defaults is not None:
+            for key, value in defaults.items():
+                if data.get(key) is None:
+                    data[key] = value
+        heads, hidden = data.get("num_heads"), data.get("hidden_size")
+        if not data.get("head_dim") and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+            if hidden % heads:
+                raise ValueError(f"hidden_size {hidden} is not divisible by num_heads {heads}; "
+                                 "give head_dim if the model's heads have a width of their own")
+            data["head_dim"] = hidden // heads
+        return data
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelDims":
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd; RoPE rotates pairs of features")
         return self
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def q_width(self) -> int:
+        """Width of all query heads together (hidden_size unless head_dim is a width of its own)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of all key (or value) heads together."""
+        return self.num_kv_heads * self.head_dim
+
+
+def _qwen(family: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, *,
+          tie: bool = False, max_seq_len: int = 40960) -> ModelDims:
+    return ModelDims(family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                     num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=128 if family == "qwen3" else 0, max_seq_len=max_seq_len, rope_theta=1e6,
+                     norm_eps=1e-6, tie_embeddings=tie)
 
 
 # Published Llama 3 / 3.1 dimensions (Meta, "The Llama 3 Herd of Models", 2024, table 3).
@@ -71,6 +129,21 @@ MODEL_PRESETS: dict[str, ModelDims] = {
         vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_layers=126,
         num_heads=128, num_kv_heads=8, max_seq_len=131072,
     ),
+    # Qwen2.5 (Qwen team, "Qwen2.5 Technical Report", 2024; the released config.json files): q/k/v biases,
+    # RoPE theta 1e6, RMSNorm eps 1e-6; the small ones tie their embeddings.
+    "qwen2.5-0.5b": _qwen("qwen2", 151936, 896, 4864, 24, 14, 2, tie=True, max_seq_len=32768),
+    "qwen2.5-1.5b": _qwen("qwen2", 151936, 1536, 8960, 28, 12, 2, tie=True, max_seq_len=32768),
+    "qwen2.5-7b": _qwen("qwen2", 152064, 3584, 18944, 28, 28, 4, max_seq_len=32768),
+    "qwen2.5-32b": _qwen("qwen2", 152064, 5120, 27648, 64, 40, 8, max_seq_len=32768),
+    "qwen2.5-72b": _qwen("qwen2", 152064, 8192, 29568, 80, 64, 8, max_seq_len=32768),
+    # Qwen3 dense (Qwen team, "Qwen3 Technical Report", 2025, table 1; the released config.json files): per-head
+    # q/k norms, head_dim 128 whatever the width, no biases.
+    "qwen3-0.6b": _qwen("qwen3", 151936, 1024, 3072, 28, 16, 8, tie=True),
+    "qwen3-1.7b": _qwen("qwen3", 151936, 2048, 6144, 28, 16, 8, tie=True),
+    "qwen3-4b": _qwen("qwen3", 151936, 2560, 9728, 36, 32, 8, tie=True),
+    "qwen3-8b": _qwen("qwen3", 151936, 4096, 12288, 36, 32, 8),
+    "qwen3-14b": _qwen("qwen3", 151936, 5120, 17408, 40, 40, 8),
+    "qwen3-32b": _qwen("qwen3", 151936, 5120, 25600, 64, 64, 8),
     # Tiny models that train in seconds on a laptop CPU. The vocabulary fits the digit tasks
     # (10 digits + a few special tokens, see graphrl.tasks).
     "tiny-digits": ModelDims(
@@ -85,6 +158,17 @@ MODEL_PRESETS: dict[str, ModelDims] = {
     "tiny-digits-wide": ModelDims(
         vocab_size=16, hidden_size=128, intermediate_size=352, num_layers=3,
         num_heads=4, num_kv_heads=2, max_seq_len=64, rope_theta=10000.0,
+    ),
+    # The digit model as the Qwen families build it: q/k/v biases (Qwen2), or per-head q/k norms with heads
+    # wider than hidden / heads (Qwen3), for CPU runs of their code paths.
+    "tiny-digits-qwen2": ModelDims(
+        family="qwen2", vocab_size=16, hidden_size=64, intermediate_size=176, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_seq_len=64, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
+    ),
+    "tiny-digits-qwen3": ModelDims(
+        family="qwen3", vocab_size=16, hidden_size=64, intermediate_size=176, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_seq_len=64, rope_theta=10000.0, norm_eps=1e-6,
+        tie_embeddings=True,
     ),
 }
 

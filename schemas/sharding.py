@@ -227,30 +227,50 @@ class TpStyle(StrEnum):
     """Every tp rank holds the whole tensor: the norms, a critic's value head."""
 
 
+def _always(dims: ModelDims) -> bool:
+    return True
+
+
+def _never(dims: ModelDims) -> bool:
+    return False
+
+
+def _has_qkv_bias(dims: ModelDims) -> bool:
+    return bool(dims.qkv_bias)
+
+
+def _has_qk_norm(dims: ModelDims) -> bool:
+    return bool(dims.qk_norm)
+
+
 @dataclass(frozen=True)
 class ModuleSpec:
-    """One module of a Llama model: its parameter's shape as a function of the dims, and its tp style."""
+    """One module of the decoder: its weight's shape as a function of the dims, its tp style, and whether
+    the dims give it (a family's per-head norms) and a bias (over its output features, cut as its rows)."""
 
     name: str
     """Module path relative to a decoder layer (`self_attn.q_proj`), or from the model's root."""
     shape: Callable[[ModelDims], tuple[int, ...]]
     tp: TpStyle
+    present: Callable[[ModelDims], bool] = _always
+    bias: Callable[[ModelDims], bool] = _never
+
+    def params(self, dims: ModelDims) -> list[tuple[str, tuple[int, ...]]]:
+        """(kind, shape) of the module's parameters: its weight, then its bias if it has one."""
+        shape = self.shape(dims)
+        return [("weight", shape), ("bias", shape[:1])] if self.bias(dims) else [("weight", shape)]
 
 
-def _q_rows(d: ModelDims) -> int:
-    return d.num_heads * d.head_dim
-
-
-def _kv_rows(d: ModelDims) -> int:
-    return d.num_kv_heads * d.head_dim
-
-
-# The modules of one decoder layer, in checkpoint order. Every weight is `<module>.weight`.
+# The modules of one decoder layer, in checkpoint order (Hugging Face's: q/k/v/o, then a Qwen3's q/k
+# norms, the MLP, the two layer norms).
 LLAMA_LAYER: tuple[ModuleSpec, ...] = (
-    ModuleSpec("self_attn.q_proj", lambda d: (_q_rows(d), d.hidden_size), TpStyle.COLWISE),
-    ModuleSpec("self_attn.k_proj", lambda d: (_kv_rows(d), d.hidden_size), TpStyle.COLWISE),
-    ModuleSpec("self_attn.v_proj", lambda d: (_kv_rows(d), d.hidden_size), TpStyle.COLWISE),
-    ModuleSpec("self_attn.o_proj", lambda d: (d.hidden_size, _q_rows(d)), TpStyle.ROWWISE),
+    ModuleSpec("self_attn.q_proj", lambda d: (d.q_width, d.hidden_size), TpStyle.COLWISE, bias=_has_qkv_bias),
+    ModuleSpec("self_attn.k_proj", lambda d: (d.kv_width, d.hidden_size), TpStyle.COLWISE, bias=_has_qkv_bias),
+    ModuleSpec("self_attn.v_proj", lambda d: (d.kv_width, d.hidden_size), TpStyle.COLWISE, bias=_has_qkv_bias),
+    ModuleSpec("self_attn.o_proj", lambda d: (d.hidden_size, d.q_width), TpStyle.ROWWISE),
+    # One head's norm, applied to every head: a tp rank holds it whole for its own heads.
+    ModuleSpec("self_attn.q_norm", lambda d: (d.head_dim,), TpStyle.REPLICATE, present=_has_qk_norm),
+    ModuleSpec("self_attn.k_norm", lambda d: (d.head_dim,), TpStyle.REPLICATE, present=_has_qk_norm),
     ModuleSpec("mlp.gate_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE),
     ModuleSpec("mlp.up_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE),
     ModuleSpec("mlp.down_proj", lambda d: (d.hidden_size, d.intermediate_size), TpStyle.ROWWISE),
@@ -270,32 +290,47 @@ _TP_STYLE: dict[str, TpStyle] = {m.name.split(".")[-1]: m.tp
                                  for m in (*LLAMA_LAYER, LLAMA_EMBEDDING, LLAMA_FINAL_NORM, *LLAMA_HEADS.values())}
 
 
+@functools.cache
+def layer_modules(dims: ModelDims) -> tuple[ModuleSpec, ...]:
+    """The modules a decoder layer of these dims has (a Qwen3's q/k norms only where the family has them)."""
+    return tuple(m for m in LLAMA_LAYER if m.present(dims))
+
+
 def _head(dims: ModelDims, head: Head) -> list[ModuleSpec]:
     """The output head's module, if it has its own weight (a tied lm head reads the embedding)."""
     return [LLAMA_HEADS[head]] if head == "value" or not dims.tie_embeddings else []
 
 
 def llama_modules(dims: ModelDims, head: Head = "lm") -> list[tuple[str, ModuleSpec, int | None]]:
-    """(full module name, spec, layer) of every parameterised module of a Llama model, in checkpoint order."""
+    """(full module name, spec, layer) of every parameterised module of the model, in checkpoint order."""
     out: list[tuple[str, ModuleSpec, int | None]] = [(LLAMA_EMBEDDING.name, LLAMA_EMBEDDING, None)]
     for layer in range(dims.num_layers):
-        out += [(f"model.layers.{layer}.{m.name}", m, layer) for m in LLAMA_LAYER]
+        out += [(f"model.layers.{layer}.{m.name}", m, layer) for m in layer_modules(dims)]
     out += [(m.name, m, None) for m in (LLAMA_FINAL_NORM, *_head(dims, head))]
     return out
 
 
 def llama_params(dims: ModelDims, head: Head = "lm") -> list[ParamInfo]:
-    """Every parameter of a Hugging Face Llama model (`head="value"`: graphrl's critic), in checkpoint order."""
-    return [ParamInfo(f"{name}.weight", spec.shape(dims), layer, dims.num_layers)
-            for name, spec, layer in llama_modules(dims, head)]
+    """Every parameter of the Hugging Face model of these dims (`head="value"`: graphrl's critic), in
+    checkpoint order: each module's weight, then its bias if the family gives it one."""
+    return [ParamInfo(f"{name}.{kind}", shape, layer, dims.num_layers)
+            for name, spec, layer in llama_modules(dims, head) for kind, shape in spec.params(dims)]
 
 
 # The counts are cached: the placement search asks for them thousands of times per model, and a
 # `ModelDims` is frozen, so the same dims always have the same counts.
 @functools.cache
 def llama_layer_param_count(dims: ModelDims, *, matmuls_only: bool = False) -> int:
-    """Parameters of one decoder layer (with `matmuls_only`, of its linear layers alone)."""
-    return sum(prod(m.shape(dims)) for m in LLAMA_LAYER if not matmuls_only or len(m.shape(dims)) == 2)
+    """Parameters of one decoder layer (with `matmuls_only`, the weights of its linear layers alone)."""
+    if matmuls_only:
+        return sum(prod(shape) for m in layer_modules(dims) if len(shape := m.shape(dims)) == 2)
+    return sum(prod(shape) for m in layer_modules(dims) for _, shape in m.params(dims))
+
+
+@functools.cache
+def layer_tensor_count(dims: ModelDims) -> int:
+    """Parameter tensors of one decoder layer (weights and biases)."""
+    return sum(len(m.params(dims)) for m in layer_modules(dims))
 
 
 @functools.cache

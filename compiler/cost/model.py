@@ -22,8 +22,9 @@ import math
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.sharding import (
-    LLAMA_LAYER,
     fsdp_layer_units,
+    layer_modules,
+    layer_tensor_count,
     llama_layer_param_count,
     llama_param_count,
 )
@@ -58,12 +59,13 @@ def embedding_params(dims: ModelDims) -> int:
 
 
 def layer_linear_params(dims: ModelDims) -> int:
-    """Matmul weights of one transformer block (no biases in Llama): q, k, v, o, gate, up, down."""
+    """Matmul weights of one transformer block (not their biases): q, k, v, o, gate, up, down."""
     return llama_layer_param_count(dims, matmuls_only=True)
 
 
 def layer_params(dims: ModelDims) -> int:
-    """All weights of one transformer block: its matmuls plus two RMSNorm weights (2*H)."""
+    """All weights of one transformer block: its matmuls, their biases (Qwen2's q/k/v) and its norms (2*H,
+    and a Qwen3's two per-head norms)."""
     return llama_layer_param_count(dims)
 
 
@@ -75,9 +77,9 @@ def param_count(dims: ModelDims) -> int:
 
 
 def param_tensor_count(dims: ModelDims) -> int:
-    """Weight tensors of the model: one per module of the inventory (9 per block, the embedding, the final
-    norm, and the output head unless it is tied)."""
-    return len(LLAMA_LAYER) * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
+    """Parameter tensors of the model: one per weight and bias of the inventory (9 per Llama block, 12 per
+    Qwen2 block, 11 per Qwen3 block; the embedding, the final norm, and the output head unless it is tied)."""
+    return layer_tensor_count(dims) * dims.num_layers + 2 + (0 if dims.tie_embeddings else 1)
 
 
 @functools.cache
@@ -123,7 +125,7 @@ def matmul_params(dims: ModelDims) -> int:
 def block_linear_rows(dims: ModelDims) -> int:
     """Output channels of one block's linears: q (heads*hd), k and v (kv_heads*hd each), o (H), gate
     and up (I each), down (H); an fp8 weight holds one scale per such row."""
-    return sum(shape[0] for m in LLAMA_LAYER if len(shape := m.shape(dims)) == 2)
+    return sum(shape[0] for m in layer_modules(dims) if len(shape := m.shape(dims)) == 2)
 
 
 @functools.cache  # the placement search asks for the same few precisions of each model thousands of times

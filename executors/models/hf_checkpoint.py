@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from graphrl.errors import GraphRLError
-from graphrl.schemas.model import ModelDims, RopeScaling
+from graphrl.schemas.model import FAMILIES, ModelDims, RopeScaling
 
 from graphrl.executors.models.llama import Llama, LlamaCritic, param_shapes
 
@@ -28,30 +28,40 @@ def _checkpoint_error(folder: Path, message: str, fix: str) -> GraphRLError:
     return GraphRLError(f"checkpoint {folder}: {message}", fix=fix)
 
 
-def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
-    """ModelDims from a HF Llama `config.json` (transformers 4.x `rope_theta` or 5.x `rope_parameters`).
+# Each family's Hugging Face class, by model_type.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-    Raises GraphRLError for architectures this model cannot represent (biases, non-SiLU, odd head_dim)
-    and warns when a RoPE scaling is ignored.
+
+def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
+    """ModelDims from a Hugging Face `config.json` of a family graphrl runs (`FAMILIES`: Llama, Qwen2 and
+    Qwen2.5, Qwen3), transformers 4.x (`rope_theta`) or 5.x (`rope_parameters`).
+
+    Raises GraphRLError for a family or a variant this model cannot represent (an o_proj or MLP bias, a
+    non-SiLU activation, sliding-window attention) and warns when a RoPE scaling is ignored.
     """
     model_type = config.get("model_type", "llama")
-    if model_type != "llama":
+    if model_type not in FAMILIES:
         raise GraphRLError(
-            f"config.json has model_type {model_type!r}; only 'llama' checkpoints are supported",
-            fix="use a Llama-architecture checkpoint",
+            f"config.json has model_type {model_type!r}; graphrl runs the families {', '.join(FAMILIES)}",
+            fix="use a checkpoint of one of those families (Llama 2/3, SmolLM, Qwen2/2.5, Qwen3 dense ...)",
         )
+    # Llama's and Qwen3's `attention_bias` puts a bias on o_proj too; Qwen2 has q/k/v biases always.
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag, False):
-            raise GraphRLError(f"config.json sets {flag}=true; this Llama has no biases", fix="use a bias-free checkpoint")
+            raise GraphRLError(f"config.json sets {flag}=true; graphrl's {model_type} has no such biases",
+                               fix="use a checkpoint without them (every released Llama and Qwen3 has none)")
     if config.get("hidden_act", "silu") != "silu":
         raise GraphRLError(
             f"config.json has hidden_act {config['hidden_act']!r}; only 'silu' (SwiGLU) is supported",
-            fix="use a Llama checkpoint with hidden_act 'silu'",
+            fix="use a checkpoint with hidden_act 'silu'",
         )
+    if config.get("use_sliding_window", False):
+        raise GraphRLError("config.json sets use_sliding_window=true; graphrl attends over the whole context",
+                           fix="set use_sliding_window to false (the released Qwen2.5 and Qwen3 models have it off)")
     num_heads = int(config["num_attention_heads"])
     hidden_size = int(config["hidden_size"])
-    head_dim = config.get("head_dim")
-    if head_dim is not None and int(head_dim) * num_heads != hidden_size:
+    head_dim = int(config.get("head_dim") or 0)
+    if model_type != "qwen3" and head_dim and head_dim * num_heads != hidden_size:
         raise GraphRLError(
             f"config.json has head_dim {head_dim} but hidden_size/num_attention_heads = {hidden_size // num_heads}",
             fix="use a checkpoint whose head_dim equals hidden_size / num_attention_heads",
@@ -76,6 +86,8 @@ def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
             stacklevel=2,
         )
     return ModelDims(
+        family=model_type,
+        head_dim=head_dim,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden_size,
         intermediate_size=int(config["intermediate_size"]),
@@ -91,7 +103,8 @@ def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
 
 
 def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A `config.json` that both transformers 4.x (`rope_theta`) and 5.x (`rope_parameters`) read."""
+    """A `config.json` of the dims' family that both transformers 4.x (`rope_theta`) and 5.x
+    (`rope_parameters`) read."""
     dtype_name = str(dtype).removeprefix("torch.")
     rope: dict[str, Any] = {"rope_type": "default"}
     if dims.rope_scaling is not None:
@@ -102,9 +115,15 @@ def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> 
             "high_freq_factor": dims.rope_scaling.high_freq_factor,
             "original_max_position_embeddings": dims.rope_scaling.original_max_seq_len,
         }
+    family_keys: dict[str, Any] = {"attention_bias": False, "mlp_bias": False}
+    if dims.family == "qwen2":
+        family_keys = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": dims.num_layers}
+    elif dims.family == "qwen3":
+        family_keys = {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                       "max_window_layers": dims.num_layers}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[dims.family]],
+        "model_type": dims.family,
         "vocab_size": dims.vocab_size,
         "hidden_size": dims.hidden_size,
         "intermediate_size": dims.intermediate_size,
@@ -119,8 +138,7 @@ def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> 
         "rms_norm_eps": dims.norm_eps,
         "tie_word_embeddings": dims.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **family_keys,
         "torch_dtype": dtype_name,
     }
 
@@ -158,25 +176,23 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]
     if dims.tie_embeddings:
         state_dict.pop("lm_head.weight", None)
     expected = param_shapes(dims, "value" if "value_head.weight" in state_dict else "lm")
-    missing = [name for name in expected if name not in state_dict]
-    unexpected = [name for name in state_dict if name not in expected]
-    wrong = [
-        f"{name} {tuple(state_dict[name].shape)} != {shape}"
-        for name, shape in expected.items()
-        if name in state_dict and tuple(state_dict[name].shape) != shape
-    ]
-    if missing or unexpected or wrong:
-        details = "; ".join(
-            part
-            for part in (
-                f"missing {missing[:3]}" if missing else "",
-                f"unexpected {unexpected[:3]}" if unexpected else "",
-                f"wrong shapes {wrong[:3]}" if wrong else "",
-            )
-            if part
-        )
-        raise _checkpoint_error(folder, f"weights do not match config.json ({details})", "use an unmodified Llama checkpoint")
+    if (problem := state_mismatch(expected, state_dict)) is not None:
+        raise _checkpoint_error(folder, f"weights do not match config.json: {problem}",
+                                "use an unmodified checkpoint (its config.json and weights from the same source)")
     return dims, {name: state_dict[name] for name in expected}
+
+
+def state_mismatch(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, Any]) -> str | None:
+    """The first tensor (in checkpoint order) where `state` differs from the shapes the config implies,
+    said with how many more differ; None when they agree."""
+    problems = [f"{name} is missing" if name not in state else
+                f"{name} has shape {tuple(state[name].shape)}, the config implies {shape}"
+                for name, shape in expected.items()
+                if name not in state or tuple(state[name].shape) != shape]
+    problems += [f"{name} is not a tensor of this architecture" for name in state if name not in expected]
+    if not problems:
+        return None
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
 
 
 def save_hf_checkpoint(model: Llama | LlamaCritic, dims: ModelDims, folder: str | Path) -> None:

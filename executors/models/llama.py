@@ -1,4 +1,6 @@
-"""A native PyTorch Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) for RL on LLMs.
+"""A native PyTorch decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) for RL on LLMs: Llama, and
+the Qwen2 and Qwen3 families as data of the same model (`ModelDims.family`: q/k/v biases, per-head q/k
+norms, a head width of its own), never a copy of it.
 
 Why not `transformers`: an RL job needs three things from its model and they must agree to the last
 bit of arithmetic: sampling with a KV cache (`sampling.generate`), teacher-forced log-probs of the
@@ -6,9 +8,9 @@ sampled tokens (`sampling.token_logprobs`) and a critic on the same trunk (`Llam
 model makes that agreement testable and keeps it free of framework state. This file is the model's
 definition; `sampling.py` samples and scores with it, `hf_checkpoint.py` reads and writes its files.
 
-Parameter names are exactly Hugging Face `LlamaForCausalLM`'s (`model.layers.{i}.self_attn.q_proj.weight`,
-...), so HF checkpoints load with `load_state_dict` and the weight-sync planner can reason about names
-and shapes from `param_shapes(dims)` without building a model.
+Parameter names are exactly Hugging Face's (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`:
+`model.layers.{i}.self_attn.q_proj.weight`, ...), so HF checkpoints load with `load_state_dict` and the
+weight-sync planner can reason about names and shapes from `param_shapes(dims)` without building a model.
 
 Conventions: B sequences, T tokens per forward, P prompt tokens, R response tokens, V vocabulary,
 S key slots. Masks are bool, True = real token. Prompts are left-padded (the last prompt column is a
@@ -132,8 +134,43 @@ class KVCache:
         return self.keys_lbhsd.shape[3]
 
 
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over a process group. A weight every tensor-parallel
+    rank holds whole but applies to its own heads only (a Qwen3's q/k norm) gets a different partial
+    gradient on each rank, and its true gradient is their sum."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class HeadNorm(RMSNorm):
+    """RMSNorm over each head's features (Qwen3's q_norm and k_norm), one weight shared by every head.
+    Under a tensor-parallel trainer each rank holds the weight whole for its own heads, and `grad_group`
+    sums its gradient over the tp group."""
+
+    grad_group: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        input_dtype = x.dtype
+        x_f32 = x.float()
+        x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight if self.grad_group is None else _SumGradOver.apply(self.weight, self.grad_group)
+        return weight * x_f32.to(input_dtype)
+
+
 class Attention(nn.Module):
-    """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads."""
+    """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads; with the
+    family's switches, biases on q/k/v (Qwen2) and an RMSNorm over each q and k head before RoPE (Qwen3)."""
 
     def __init__(self, dims: ModelDims, layer_index: int, **factory: Any) -> None:
         super().__init__()
@@ -141,11 +178,13 @@ class Attention(nn.Module):
         self.num_kv_heads = dims.num_kv_heads
         self.head_dim = dims.head_dim
         self.layer_index = layer_index
-        h = dims.hidden_size
-        self.q_proj = nn.Linear(h, dims.num_heads * dims.head_dim, bias=False, **factory)
-        self.k_proj = nn.Linear(h, dims.num_kv_heads * dims.head_dim, bias=False, **factory)
-        self.v_proj = nn.Linear(h, dims.num_kv_heads * dims.head_dim, bias=False, **factory)
-        self.o_proj = nn.Linear(dims.num_heads * dims.head_dim, h, bias=False, **factory)
+        h, bias = dims.hidden_size, bool(dims.qkv_bias)
+        self.q_proj = nn.Linear(h, dims.q_width, bias=bias, **factory)
+        self.k_proj = nn.Linear(h, dims.kv_width, bias=bias, **factory)
+        self.v_proj = nn.Linear(h, dims.kv_width, bias=bias, **factory)
+        self.o_proj = nn.Linear(dims.q_width, h, bias=False, **factory)
+        self.q_norm: HeadNorm | None = HeadNorm(dims.head_dim, dims.norm_eps, **factory) if dims.qk_norm else None
+        self.k_norm: HeadNorm | None = HeadNorm(dims.head_dim, dims.norm_eps, **factory) if dims.qk_norm else None
 
     def forward(
         self,
@@ -158,8 +197,11 @@ class Attention(nn.Module):
         """`allowed` is the mask [B, 1, T, S] of the keys each query sees, or, for packed sequences
         (B = 1, no cache), the packing, whose sequences each attend causally within themselves."""
         b, t, _ = x_bth.shape
-        q = self.q_proj(x_bth).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_bth).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x_bth).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x_bth).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_bth).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos_btd, sin_btd)
         k = apply_rope(k, cos_btd, sin_btd)
@@ -343,12 +385,14 @@ def _init_weights(module: nn.Module, std: float = 0.02) -> None:
     for sub in module.modules():
         if isinstance(sub, (nn.Linear, nn.Embedding)):
             nn.init.normal_(sub.weight, mean=0.0, std=std)
+            if getattr(sub, "bias", None) is not None:
+                nn.init.zeros_(sub.bias)
         elif isinstance(sub, RMSNorm):
             nn.init.ones_(sub.weight)
 
 
 class Llama(nn.Module):
-    """Llama causal LM with HF `LlamaForCausalLM` parameter names.
+    """The causal LM of every family (`dims.family`), with Hugging Face's parameter names for it.
 
     With `dims.tie_embeddings` there is no `lm_head` parameter: the head reads
     `model.embed_tokens.weight`, so the state dict holds every weight exactly once.

@@ -1,4 +1,4 @@
-"""Reading a Llama checkpoint from a Hugging Face folder or a GGUF file, and writing one back.
+"""Reading a checkpoint (Llama, Qwen2/2.5, Qwen3) from a Hugging Face folder or a GGUF file, and writing one back.
 
 A folder (config.json + model.safetensors, or sharded with model.safetensors.index.json) is read by the
 executor's own loader; a GGUF file is read through `transformers` (which dequantizes it with the `gguf`
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from graphrl.errors import DataError, GraphRLError
 from graphrl.executors.models.llama import param_shapes
-from graphrl.executors.models.hf_checkpoint import dims_from_hf_config, load_hf_checkpoint
+from graphrl.executors.models.hf_checkpoint import dims_from_hf_config, load_hf_checkpoint, state_mismatch
 from graphrl.schemas.model import ModelDims
 
 
@@ -121,7 +121,7 @@ def unreadable_gguf(path: Path, exc: BaseException) -> DataError:
 
 
 def _gguf_state(path: Path) -> tuple[ModelDims, dict[str, Tensor]]:
-    """Dequantized float32 weights of a GGUF Llama, with HF names and q/k in HF's rotary layout."""
+    """Dequantized float32 weights of a GGUF model, with HF names and q/k in HF's rotary layout."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
@@ -131,18 +131,19 @@ def _gguf_state(path: Path) -> tuple[ModelDims, dict[str, Tensor]]:
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ValueError, OSError, KeyError) as exc:
-        raise GraphRLError(f"checkpoint {path}: cannot read it as a GGUF Llama ({exc})",
-                           fix="use a GGUF file of a Llama-architecture model; a truncated file also fails here: "
+        raise GraphRLError(f"checkpoint {path}: cannot read it as a GGUF model ({exc})",
+                           fix="use a GGUF file of a Llama, Qwen2 or Qwen3 model; a truncated file also fails here: "
                                "download it again") from None
     except Exception as exc:  # noqa: BLE001 - a damaged file fails anywhere inside the gguf reader
         raise unreadable_gguf(path, exc) from None
     dims = dims_from_hf_config(hf_model.config.to_dict())
     state = hf_model.state_dict()
     expected = param_shapes(dims)
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise GraphRLError(f"checkpoint {path}: weights {missing[:3]} are missing",
-                           fix="use an unmodified GGUF export of a Llama model")
+    if dims.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    if (problem := state_mismatch(expected, state)) is not None:
+        raise GraphRLError(f"checkpoint {path}: its weights do not match its metadata: {problem}",
+                           fix="use an unmodified GGUF export of the model")
     return dims, {k: state[k].detach().clone() for k in expected}
 
 

@@ -158,7 +158,7 @@ def test_a_bad_config_json_is_named_at_the_checkpoint_with_a_task_dataset(tmp_pa
     assert err.startswith(f"error: {job}:10:") and ": models.policy.checkpoint: " in err, err
     config = json.loads((model_folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
-    _refused(job, ": models.policy.checkpoint: ", "attention_bias=true", "use a bias-free checkpoint")
+    _refused(job, ": models.policy.checkpoint: ", "attention_bias=true", "use a checkpoint without them")
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
     _refused(job, ": models.policy.checkpoint: ", "does not describe a model graphrl can build (ValueError")
 

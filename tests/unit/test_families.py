@@ -1,0 +1,162 @@
+"""Every family graphrl runs (Llama, Qwen2, Qwen3) against its `transformers` implementation, loaded with
+the same random weights: the same logits (float32, relative difference at most 1e-5), the same greedy
+continuation of left-padded prompts, and a saved model that `transformers` loads back as its own class.
+
+Every weight is drawn (biases and norm weights too, std 0.15), so a bias or a q/k norm that our model
+skipped or applied in the wrong place moves the logits far past the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from graphrl.errors import GraphRLError
+from graphrl.executors.models.hf_checkpoint import dims_from_hf_config
+from graphrl.executors.models.llama import Llama, PackedSequences
+from graphrl.executors.models.sampling import generate
+from graphrl.models import from_pretrained, save_pretrained
+from graphrl.schemas.model import MODEL_PRESETS, ModelDims
+from graphrl.schemas.sharding import llama_params
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 48
+REL_TOL = 1e-5
+
+
+def _config(family: str, tie: bool):  # noqa: ANN202
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        return transformers.LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+    # Qwen3: heads wider than hidden / heads (32 x 4 = 128 > 64), as the released Qwen3 models have them.
+    return transformers.Qwen3Config(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                    **common)
+
+
+def hf_model(family: str, tie: bool = False, seed: int = 0):  # noqa: ANN202
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family, tie))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=gen) * 0.15
+            param.copy_(noise if param.dim() == 2 else 1.0 + noise)  # norms near 1, biases near 1 too
+    return model.eval()
+
+
+FAMILIES = [("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", False), ("qwen3", True)]
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize(("family", "tie"), FAMILIES)
+def test_logits_match_transformers(tmp_path, family: str, tie: bool) -> None:
+    hf = hf_model(family, tie)
+    hf.save_pretrained(tmp_path)
+    ours, _ = from_pretrained(tmp_path)
+    assert ours.dims.family == family and ours.dims.tie_embeddings is tie
+    assert sorted(ours.state_dict()) == sorted(k for k in hf.state_dict() if not (tie and k == "lm_head.weight"))
+    ids = torch.randint(3, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits.float()
+        got = ours(ids)
+        packed = ours.logits(ours.packed_hidden_states(PackedSequences.of(ids, torch.ones_like(ids, dtype=torch.bool))))
+    assert _relative(got, want) <= REL_TOL
+    assert _relative(packed, want.reshape(-1, VOCAB)) <= REL_TOL
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_greedy_continuation_matches_transformers_with_left_padding(tmp_path, family: str) -> None:
+    hf = hf_model(family, tie=family == "qwen2")
+    hf.save_pretrained(tmp_path)
+    ours, _ = from_pretrained(tmp_path)
+    lengths = [3, 11, 7]
+    prompt_len, new_tokens = max(lengths), 24
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.zeros(len(lengths), prompt_len, dtype=torch.int64)
+    mask = torch.zeros(len(lengths), prompt_len, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        ids[row, prompt_len - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[row, prompt_len - n:] = True
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new_tokens, do_sample=False,
+                           min_new_tokens=new_tokens, pad_token_id=0)[:, prompt_len:]
+    got = generate(ours, ids, mask, new_tokens, temperature=0.0, eos_id=None, pad_id=0)
+    assert torch.equal(got.response_ids, want)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_saved_model_loads_back_into_transformers_as_its_family(tmp_path, family: str) -> None:
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    ours, _ = from_pretrained(tmp_path / "hf")
+    save_pretrained(ours, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["model_type"] == family and config["architectures"] == [type(hf).__name__]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(again) is type(hf)
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert _relative(again(input_ids=ids).logits, hf(input_ids=ids).logits) <= REL_TOL
+
+
+def test_inventory_names_every_parameter_of_each_family() -> None:
+    for name in ("tiny-digits", "tiny-digits-qwen2", "tiny-digits-qwen3"):
+        dims = MODEL_PRESETS[name]
+        model = Llama(dims)
+        assert [(p.name, p.shape) for p in llama_params(dims)] == [(k, tuple(v.shape)) for k, v in
+                                                                   model.state_dict().items()]
+
+
+def test_qwen_presets_have_the_published_sizes() -> None:
+    # Parameter counts of the released checkpoints (their safetensors, a tied head counted once).
+    from graphrl.compiler.cost.model import param_count
+
+    published = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920,
+                 "qwen3-8b": 8_190_735_360}
+    assert {name: param_count(MODEL_PRESETS[name]) for name in published} == published
+
+
+def test_unknown_family_and_unsupported_variants_are_refused_by_name() -> None:
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
+            "vocab_size": 48}
+    with pytest.raises(GraphRLError, match="model_type 'gemma2'.*llama, qwen2, qwen3"):
+        dims_from_hf_config({**base, "model_type": "gemma2"})
+    with pytest.raises(GraphRLError, match="use_sliding_window"):
+        dims_from_hf_config({**base, "model_type": "qwen2", "use_sliding_window": True})
+    with pytest.raises(GraphRLError, match="attention_bias"):
+        dims_from_hf_config({**base, "model_type": "qwen3", "attention_bias": True})
+    dims = dims_from_hf_config({**base, "model_type": "qwen3", "head_dim": 32})
+    assert (dims.head_dim, dims.q_width, dims.qk_norm, dims.qkv_bias) == (32, 128, True, False)
+
+
+def test_family_switches_default_from_the_family_and_can_be_set() -> None:
+    tiny = dict(vocab_size=16, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2)
+    assert ModelDims(family="qwen2", **tiny).qkv_bias is True
+    assert ModelDims(family="qwen2", qkv_bias=False, **tiny).qkv_bias is False
+    assert ModelDims(**tiny).head_dim == 16
+    with pytest.raises(ValueError, match="give head_dim"):
+        ModelDims(**{**tiny, "hidden_size": 66})
+    assert ModelDims(**{**tiny, "hidden_size": 66}, head_dim=16).q_width == 64
+
+
+def test_a_checkpoint_whose_tensors_differ_from_its_config_names_the_first(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_model("qwen2")
+    hf.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["model.layers.0.self_attn.k_proj.bias"] = torch.zeros(7)
+    del state["model.layers.1.self_attn.q_proj.bias"]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(GraphRLError, match=r"model.layers.0.self_attn.k_proj.bias has shape \(7,\).*\(and 1 more\)"):
+        from_pretrained(tmp_path)
