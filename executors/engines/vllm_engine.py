@@ -60,8 +60,7 @@ _KV_MARGIN_TOKENS = 256
 def kv_cache_bytes(module: nn.Module, dtype: torch.dtype, max_model_len: int, planned_bytes: float) -> int:
     """The engine's KV-cache bytes: what the plan charged, at least what one full-length sequence needs."""
     dims = module.dims  # type: ignore[attr-defined]
-    head_dim = dims.hidden_size // dims.num_heads
-    per_token = 2 * dims.num_layers * dims.num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * dims.num_layers * dims.kv_width * torch.empty((), dtype=dtype).element_size()
     return int(max(planned_bytes, per_token * (max_model_len + _KV_MARGIN_TOKENS)))
 
 

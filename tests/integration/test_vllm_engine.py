@@ -269,3 +269,51 @@ def test_grpo_with_a_tensor_parallel_generator_on_vllm(tmp_path) -> None:
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics] == [0, 1, 2]
     assert all(row["mismatch_abs_max"] < 1e-4 for row in metrics)  # fp32 both sides, after every reload
+
+
+def _qwen_dims(family: str):  # noqa: ANN202
+    from graphrl.schemas.model import ModelDims
+
+    # Qwen3's heads (64 wide, four of them) are wider together than the hidden size, as in its released models.
+    return ModelDims(family=family, vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2,
+                     num_heads=2 if family == "qwen2" else 4, num_kv_heads=1, head_dim=64, max_seq_len=128,
+                     rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=family == "qwen2")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_engine_samples_what_the_native_model_does_and_reloads(family: str) -> None:
+    """vLLM runs the Qwen families from the folder graphrl writes (its own Qwen2/Qwen3 classes, by the
+    config's architecture): its first greedy tokens are the native sampler's, its behaviour log-probs the
+    trainer's, before and after a reload of new weights (biases and q/k norms included)."""
+    from graphrl.executors.engines import EngineContext, build_engine
+    from graphrl.executors.models.llama import Llama
+    from graphrl.executors.models.sampling import token_logprobs_and_entropy
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
+
+    torch.manual_seed(0)
+    model = Llama(_qwen_dims(family)).float().eval()
+    with torch.no_grad():  # biases and norms away from their init, so each one shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    placement = RolePlacement(role="policy/generate", model="policy", kind="generate", ops=["rollout"], mesh="all",
+                              engine="vllm", memory_bytes=MemoryBytes(kv_cache=8 * 2**20))
+    engine = build_engine(placement, model, torch.float32,
+                          EngineContext(rank=0, device=torch.device("cpu"), threads=2, seed=0, max_model_len=18))
+    try:
+        for _ in range(2):
+            greedy = _request(temperature=0.0)
+            piece = engine.generate(greedy)
+            assert torch.equal(piece["response_ids"][:, 0], _native(model, greedy)["response_ids"][:, 0])
+            sampled = engine.generate(_request(seed=4))
+            with torch.no_grad():
+                trainer, _ = token_logprobs_and_entropy(model, sampled["prompt_ids"], sampled["prompt_mask"],
+                                                        sampled["response_ids"], sampled["response_mask"])
+            mask = sampled["response_mask"]
+            assert (trainer - sampled["behaviour_logprobs"])[mask].abs().max().item() < 1e-3
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.2)
+            engine.weights_updated()
+    finally:
+        engine.close()
