@@ -235,7 +235,7 @@ def gen_cfgs(p: SearchSpace, first: int, n: int) -> list[GenCfg]:
     fp8 = hardware_has_fp8(p.hw)
     offered = list(PRECISIONS) if fp8 and not fp8_dequantizes(p.hw) else ["bf16"]
     precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
-                  if precision_refusal("generate", prec, hardware_fp8=fp8) is None
+                  if precision_refusal("generate", prec, hardware_fp8=fp8, moe=role.dims.is_moe) is None
                   and prec in ENGINE_PRECISIONS[p.engine_of(role.name)]]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
@@ -360,7 +360,8 @@ def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target:
         raise PlacementError(f"pp {hint.pp} is larger than the {role.dims.num_layers} layers of {role.model}",
                              path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
     if hint.precision is not None and hw is not None and \
-            (refusal := precision_refusal(role.kind, hint.precision, hardware_fp8=hardware_has_fp8(hw))) is not None:
+            (refusal := precision_refusal(role.kind, hint.precision, hardware_fp8=hardware_has_fp8(hw),
+                                          moe=role.dims.is_moe)) is not None:
         raise PlacementError(f"{refusal.why} (hardware {hw.name})", path=path + ("precision",), fix=refusal.fix)
 
 

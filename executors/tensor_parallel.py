@@ -11,7 +11,10 @@ straight into them:
 - o/down_proj: input columns split (row parallel): a partial sum per rank, one all-reduce per layer;
 - embed_tokens (and lm_head): vocabulary rows split: each rank looks up the tokens of its rows (zeros
   elsewhere) and one all-reduce sums; logits of the rank's rows are all-gathered before sampling;
-- norms replicated (a Qwen3's per-head q/k norms too: each rank applies them to its own heads).
+- norms replicated (a Qwen3's per-head q/k norms too: each rank applies them to its own heads);
+- a mixture of experts: each rank holds whole experts (expert parallelism over the group, ep = tp), the
+  router replicated; every rank routes every token, runs the tokens routed to its experts, and one
+  all-reduce per layer sums the shares (with a shared expert's slice, cut as the dense MLP is).
 
 KV heads: with t <= kv_heads a rank holds kv_heads / t of them. With t > kv_heads (a multiple) each KV
 head is replicated on t / kv_heads ranks, as the cost model assumes. The plan still delivers each rank
@@ -40,7 +43,7 @@ from graphrl.schemas.sharding import (Region, chunk_bounds, llama_params, region
 from graphrl.errors import RunError
 from graphrl.schemas.model import ModelDims
 
-from graphrl.executors.models.llama import KVCache, Llama
+from graphrl.executors.models.llama import MLP, Experts, KVCache, Llama, MoE
 
 _KV = ("k_proj", "v_proj")  # replicated over tp ranks when there are fewer KV heads than ranks
 
@@ -120,6 +123,9 @@ class TensorParallelLlama(Llama):
             raise RunError(f"tp={t} does not divide the {dims.num_heads} attention heads, or neither divides "
                            f"the other with the {kv} KV heads", fix="pin a tp that divides the heads")
         self.kv_replicas = max(t // kv, 1)  # ranks that hold each KV head
+        if dims.num_experts % t:
+            raise RunError(f"tp={t} does not divide the {dims.num_experts} experts the group shares out",
+                           fix="pin a tp that divides the experts")
         if (dims.head_dim * kv) % t:
             raise RunError(f"tp={t} cuts the {kv} KV heads of head_dim {dims.head_dim} inside a row block of "
                            "another head", fix="pin a tp that divides num_kv_heads * head_dim")
@@ -141,6 +147,14 @@ class TensorParallelLlama(Llama):
             attn.k_proj = nn.Linear(h, kv_heads * hd, bias=bias, **factory)
             attn.v_proj = nn.Linear(h, kv_heads * hd, bias=bias, **factory)
             attn.o_proj = RowParallelLinear(heads * hd, h, tp, **factory)
+            if isinstance(mlp, MoE):  # whole experts per rank, a slice of the shared one; one all-reduce
+                e_lo, e_hi = chunk_bounds(dims.num_experts, t, r)
+                mlp.experts = Experts(e_hi - e_lo, h, dims.expert_intermediate_size, start=e_lo, **factory)
+                if dims.shared_expert_intermediate_size:
+                    s_lo, s_hi = chunk_bounds(dims.shared_expert_intermediate_size, t, r)
+                    mlp.shared_expert = MLP(dims, s_hi - s_lo, **factory)
+                mlp.reduce = tp.all_reduce
+                continue
             mlp.gate_proj = nn.Linear(h, i_hi - i_lo, bias=False, **factory)
             mlp.up_proj = nn.Linear(h, i_hi - i_lo, bias=False, **factory)
             mlp.down_proj = RowParallelLinear(i_hi - i_lo, h, tp, **factory)

@@ -151,8 +151,12 @@ def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str)
     return None
 
 
-def precision_refusal(role_kind: str, precision: str, *, hardware_fp8: bool) -> Refusal | None:
-    """Why a role of `role_kind` cannot compute in `precision` on hardware with (or without) fp8 support."""
+def precision_refusal(role_kind: str, precision: str, *, hardware_fp8: bool, moe: bool = False) -> Refusal | None:
+    """Why a role of `role_kind` cannot compute in `precision` on hardware with (or without) fp8 support (and
+    for a mixture-of-experts model, `moe`)."""
+    if precision == "fp8" and moe:
+        return Refusal("precision", "fp8 generation quantizes dense linears; a mixture-of-experts model's stacked "
+                       "experts are not quantized", "use precision: bf16 for this model's generation copy")
     if not runs("precision", precision, role_kind):
         entry = capability("precision", precision, role_kind)
         return Refusal("precision", entry.how if entry else f"precision {precision!r} does not run",

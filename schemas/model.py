@@ -17,13 +17,16 @@ from graphrl.schemas.base import Boolean, Frozen, Integer, Real
 
 DType = Literal["float32", "bfloat16", "float16"]
 # The decoder families graphrl builds, by their Hugging Face `model_type`.
-Family = Literal["llama", "qwen2", "qwen3"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Family = Literal["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 # What each family switches on unless the dims say otherwise: q/k/v biases, and per-head q/k norms.
 FAMILY_DEFAULTS: dict[str, dict[str, bool]] = {
     "llama": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "qwen2_moe": {"qkv_bias": True, "qk_norm": False},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
 }
 
 
@@ -67,6 +70,16 @@ class ModelDims(Frozen):
                                      "(default: the family's; Qwen2 has them).")
     qk_norm: Boolean | None = Field(default=None, description="An RMSNorm over each query and key head before "
                                     "RoPE (default: the family's; Qwen3 has it).")
+    num_experts: Integer = Field(default=0, ge=0, description="Routed experts of every layer's feed-forward block "
+                                 "(mixture of experts; 0: a dense SwiGLU block of intermediate_size).")
+    experts_per_token: Integer = Field(default=0, ge=0, description="Experts each token is routed to (top-k).")
+    expert_intermediate_size: Integer = Field(default=0, ge=0, description="Width of one expert's SwiGLU block.")
+    shared_expert_intermediate_size: Integer = Field(default=0, ge=0, description="Width of a shared expert every "
+                                                     "token passes through, gated by a sigmoid (Qwen2-MoE); 0: none.")
+    norm_topk_prob: Boolean = Field(default=False, description="Renormalize the top-k routing probabilities to sum "
+                                    "to 1 (Qwen3-MoE's released models do).")
+    router_aux_loss_coef: Real = Field(default=0.001, ge=0, description="Weight of the load-balancing loss a "
+                                       "trained mixture-of-experts model adds (Switch Transformer's, as HF computes it).")
 
     @model_validator(mode="before")
     @classmethod
@@ -94,7 +107,18 @@ class ModelDims(Frozen):
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} is odd; RoPE rotates pairs of features")
+        if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
+            raise ValueError(f"family {self.family} with num_experts {self.num_experts}: the families "
+                             f"{', '.join(MOE_FAMILIES)} route to experts (num_experts > 0), the others do not")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.expert_intermediate_size):
+            raise ValueError(f"a mixture of {self.num_experts} experts needs experts_per_token in 1..{self.num_experts} "
+                             f"and expert_intermediate_size > 0 (got {self.experts_per_token}, "
+                             f"{self.expert_intermediate_size})")
         return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_width(self) -> int:
@@ -105,6 +129,15 @@ class ModelDims(Frozen):
     def kv_width(self) -> int:
         """Width of all key (or value) heads together."""
         return self.num_kv_heads * self.head_dim
+
+
+def _qwen_moe(family: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, experts: int, top_k: int,
+              expert_width: int, *, shared_width: int = 0, max_seq_len: int = 40960) -> ModelDims:
+    return ModelDims(family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=expert_width,
+                     num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=128 if family == "qwen3_moe" else 0, max_seq_len=max_seq_len, rope_theta=1e6,
+                     norm_eps=1e-6, num_experts=experts, experts_per_token=top_k, expert_intermediate_size=expert_width,
+                     shared_expert_intermediate_size=shared_width, norm_topk_prob=family == "qwen3_moe")
 
 
 def _qwen(family: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, *,
@@ -144,6 +177,12 @@ MODEL_PRESETS: dict[str, ModelDims] = {
     "qwen3-8b": _qwen("qwen3", 151936, 4096, 12288, 36, 32, 8),
     "qwen3-14b": _qwen("qwen3", 151936, 5120, 17408, 40, 40, 8),
     "qwen3-32b": _qwen("qwen3", 151936, 5120, 25600, 64, 64, 8),
+    # Qwen3 mixture of experts (the same report; released configs): 128 experts of which 8 per token, every layer.
+    "qwen3-30b-a3b": _qwen_moe("qwen3_moe", 151936, 2048, 48, 32, 4, 128, 8, 768),
+    "qwen3-235b-a22b": _qwen_moe("qwen3_moe", 151936, 4096, 94, 64, 4, 128, 8, 1536),
+    # Qwen2-57B-A14B: 64 routed experts (8 per token) and a shared expert every token passes through.
+    "qwen2-57b-a14b": _qwen_moe("qwen2_moe", 151936, 3584, 28, 28, 4, 64, 8, 2560, shared_width=20480,
+                                max_seq_len=32768),
     # Tiny models that train in seconds on a laptop CPU. The vocabulary fits the digit tasks
     # (10 digits + a few special tokens, see graphrl.tasks).
     "tiny-digits": ModelDims(
@@ -164,6 +203,12 @@ MODEL_PRESETS: dict[str, ModelDims] = {
     "tiny-digits-qwen2": ModelDims(
         family="qwen2", vocab_size=16, hidden_size=64, intermediate_size=176, num_layers=2,
         num_heads=4, num_kv_heads=2, max_seq_len=64, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
+    ),
+    # A Qwen3-MoE digit model: 4 experts of which 2 per token.
+    "tiny-digits-moe": ModelDims(
+        family="qwen3_moe", vocab_size=16, hidden_size=64, intermediate_size=88, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_seq_len=64, rope_theta=10000.0, norm_eps=1e-6,
+        tie_embeddings=True, num_experts=4, experts_per_token=2, expert_intermediate_size=88, norm_topk_prob=True,
     ),
     "tiny-digits-qwen3": ModelDims(
         family="qwen3", vocab_size=16, hidden_size=64, intermediate_size=176, num_layers=2,

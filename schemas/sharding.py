@@ -224,7 +224,11 @@ class TpStyle(StrEnum):
     VOCAB = "vocab"
     """Vocabulary rows split (Shard(0)): the embedding and the output head."""
     REPLICATE = "replicate"
-    """Every tp rank holds the whole tensor: the norms, a critic's value head."""
+    """Every tp rank holds the whole tensor: the norms, a critic's value head, a router."""
+    EXPERT = "expert"
+    """Experts stacked on dim 0 ([experts, rows, cols]): a tensor-parallel generator's ranks each hold whole
+    experts (expert parallelism over the tp group, ep = tp); each computes its experts' share of every
+    token and the group's all-reduce sums the shares, as a row-parallel layer's partial sums."""
 
 
 def _always(dims: ModelDims) -> bool:
@@ -243,6 +247,18 @@ def _has_qk_norm(dims: ModelDims) -> bool:
     return bool(dims.qk_norm)
 
 
+def _is_dense(dims: ModelDims) -> bool:
+    return not dims.is_moe
+
+
+def _is_moe(dims: ModelDims) -> bool:
+    return dims.is_moe
+
+
+def _has_shared_expert(dims: ModelDims) -> bool:
+    return dims.shared_expert_intermediate_size > 0
+
+
 @dataclass(frozen=True)
 class ModuleSpec:
     """One module of the decoder: its weight's shape as a function of the dims, its tp style, and whether
@@ -254,11 +270,19 @@ class ModuleSpec:
     tp: TpStyle
     present: Callable[[ModelDims], bool] = _always
     bias: Callable[[ModelDims], bool] = _never
+    bare: bool = False
+    """The name is the parameter's own (stacked experts: `mlp.experts.gate_proj`), not a module's `.weight`."""
 
     def params(self, dims: ModelDims) -> list[tuple[str, tuple[int, ...]]]:
-        """(kind, shape) of the module's parameters: its weight, then its bias if it has one."""
+        """(kind, shape) of the module's parameters: its weight, then its bias if it has one; kind "" for a
+        bare parameter."""
         shape = self.shape(dims)
+        if self.bare:
+            return [("", shape)]
         return [("weight", shape), ("bias", shape[:1])] if self.bias(dims) else [("weight", shape)]
+
+    def param_name(self, module_name: str, kind: str) -> str:
+        return f"{module_name}.{kind}" if kind else module_name
 
 
 # The modules of one decoder layer, in checkpoint order (Hugging Face's: q/k/v/o, then a Qwen3's q/k
@@ -271,9 +295,24 @@ LLAMA_LAYER: tuple[ModuleSpec, ...] = (
     # One head's norm, applied to every head: a tp rank holds it whole for its own heads.
     ModuleSpec("self_attn.q_norm", lambda d: (d.head_dim,), TpStyle.REPLICATE, present=_has_qk_norm),
     ModuleSpec("self_attn.k_norm", lambda d: (d.head_dim,), TpStyle.REPLICATE, present=_has_qk_norm),
-    ModuleSpec("mlp.gate_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE),
-    ModuleSpec("mlp.up_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE),
-    ModuleSpec("mlp.down_proj", lambda d: (d.hidden_size, d.intermediate_size), TpStyle.ROWWISE),
+    ModuleSpec("mlp.gate_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE, present=_is_dense),
+    ModuleSpec("mlp.up_proj", lambda d: (d.intermediate_size, d.hidden_size), TpStyle.COLWISE, present=_is_dense),
+    ModuleSpec("mlp.down_proj", lambda d: (d.hidden_size, d.intermediate_size), TpStyle.ROWWISE, present=_is_dense),
+    # A mixture of experts instead (Qwen2-MoE, Qwen3-MoE): the router, the experts stacked, a shared expert.
+    ModuleSpec("mlp.gate", lambda d: (d.num_experts, d.hidden_size), TpStyle.REPLICATE, present=_is_moe),
+    ModuleSpec("mlp.experts.gate_proj", lambda d: (d.num_experts, d.expert_intermediate_size, d.hidden_size),
+               TpStyle.EXPERT, present=_is_moe, bare=True),
+    ModuleSpec("mlp.experts.up_proj", lambda d: (d.num_experts, d.expert_intermediate_size, d.hidden_size),
+               TpStyle.EXPERT, present=_is_moe, bare=True),
+    ModuleSpec("mlp.experts.down_proj", lambda d: (d.num_experts, d.hidden_size, d.expert_intermediate_size),
+               TpStyle.EXPERT, present=_is_moe, bare=True),
+    ModuleSpec("mlp.shared_expert.gate_proj", lambda d: (d.shared_expert_intermediate_size, d.hidden_size),
+               TpStyle.COLWISE, present=_has_shared_expert),
+    ModuleSpec("mlp.shared_expert.up_proj", lambda d: (d.shared_expert_intermediate_size, d.hidden_size),
+               TpStyle.COLWISE, present=_has_shared_expert),
+    ModuleSpec("mlp.shared_expert.down_proj", lambda d: (d.hidden_size, d.shared_expert_intermediate_size),
+               TpStyle.ROWWISE, present=_has_shared_expert),
+    ModuleSpec("mlp.shared_expert_gate", lambda d: (1, d.hidden_size), TpStyle.REPLICATE, present=_has_shared_expert),
     ModuleSpec("input_layernorm", lambda d: (d.hidden_size,), TpStyle.REPLICATE),
     ModuleSpec("post_attention_layernorm", lambda d: (d.hidden_size,), TpStyle.REPLICATE),
 )
@@ -286,7 +325,8 @@ LLAMA_HEADS: dict[str, ModuleSpec] = {
 }
 Head = Literal["lm", "value"]
 
-_TP_STYLE: dict[str, TpStyle] = {m.name.split(".")[-1]: m.tp
+# By the module that holds a parameter (a stacked expert tensor's is `experts`).
+_TP_STYLE: dict[str, TpStyle] = {(m.name.split(".")[-2] if m.bare else m.name.split(".")[-1]): m.tp
                                  for m in (*LLAMA_LAYER, LLAMA_EMBEDDING, LLAMA_FINAL_NORM, *LLAMA_HEADS.values())}
 
 
@@ -313,18 +353,27 @@ def llama_modules(dims: ModelDims, head: Head = "lm") -> list[tuple[str, ModuleS
 def llama_params(dims: ModelDims, head: Head = "lm") -> list[ParamInfo]:
     """Every parameter of the Hugging Face model of these dims (`head="value"`: graphrl's critic), in
     checkpoint order: each module's weight, then its bias if the family gives it one."""
-    return [ParamInfo(f"{name}.{kind}", shape, layer, dims.num_layers)
+    return [ParamInfo(spec.param_name(name, kind), shape, layer, dims.num_layers)
             for name, spec, layer in llama_modules(dims, head) for kind, shape in spec.params(dims)]
 
 
 # The counts are cached: the placement search asks for them thousands of times per model, and a
 # `ModelDims` is frozen, so the same dims always have the same counts.
 @functools.cache
-def llama_layer_param_count(dims: ModelDims, *, matmuls_only: bool = False) -> int:
-    """Parameters of one decoder layer (with `matmuls_only`, the weights of its linear layers alone)."""
-    if matmuls_only:
-        return sum(prod(shape) for m in layer_modules(dims) if len(shape := m.shape(dims)) == 2)
-    return sum(prod(shape) for m in layer_modules(dims) for _, shape in m.params(dims))
+def llama_layer_param_count(dims: ModelDims, *, matmuls_only: bool = False, active: bool = False) -> int:
+    """Parameters of one decoder layer (with `matmuls_only`, the weights of its linear layers alone, the
+    stacked experts' among them). With `active`, the experts a token is routed to only (top-k of them):
+    the weights one token's forward multiplies by."""
+    total = 0
+    for m in layer_modules(dims):
+        for _, shape in m.params(dims):
+            if matmuls_only and len(shape) < 2:
+                continue
+            size = prod(shape)
+            if m.tp is TpStyle.EXPERT and active:
+                size = size // dims.num_experts * dims.experts_per_token
+            total += size
+    return total
 
 
 @functools.cache
@@ -356,7 +405,7 @@ def tp_split_dim(name: str) -> int | None:
     """The tensor dim the tp axis cuts of a HF-named Llama parameter; None when it is replicated."""
     style = tp_style(name)
     _, kind = _module_and_kind(name)
-    if style in (TpStyle.COLWISE, TpStyle.VOCAB):
+    if style in (TpStyle.COLWISE, TpStyle.VOCAB, TpStyle.EXPERT):
         return 0
     if style is TpStyle.ROWWISE and kind == "weight":
         return 1
@@ -384,6 +433,15 @@ def tp_split_problem(dims: ModelDims, tp: int, kind: str = "generate") -> str | 
     if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
         return (f"tp {tp} neither divides the {dims.num_kv_heads} KV heads nor is a multiple of them "
                 "(to replicate each KV head)")
+    if dims.is_moe:
+        if kind == "train" and tp > 1:
+            return ("a mixture-of-experts trainer shards its experts with fsdp, not tp (tp > 1 is offered to its "
+                    "generator, whose tp group shares the experts out: ep = tp)")
+        if dims.num_experts % tp:
+            return f"tp {tp} (= ep, the experts' share-out) does not divide the {dims.num_experts} experts"
+        if dims.shared_expert_intermediate_size % tp:
+            return f"tp {tp} does not divide the shared expert's width {dims.shared_expert_intermediate_size}"
+        return None
     if dims.intermediate_size % tp:
         return f"tp {tp} does not divide the feed-forward width {dims.intermediate_size}"
     return None

@@ -49,7 +49,7 @@ from graphrl.compiler.lengths import Lengths
 from graphrl.schemas.hardware import CollectiveFit, HardwareSpec, MatmulFit
 from graphrl.schemas.job import PRECISION_BYTES, SHARDINGS, Precision, Sharding
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.sharding import LLAMA_LAYER, TpStyle
+from graphrl.schemas.sharding import TpStyle, layer_modules
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p"]
 
@@ -254,8 +254,14 @@ def layer_matmul_shapes(dims: ModelDims, tp: int) -> tuple[tuple[int, int], ...]
     linears split n, row-parallel ones split k; `torch.chunk` rounds the first shards up). The k and v
     projections split over `kv_shards`: a generator with more ranks than KV heads replicates each head."""
     shapes = []
-    for module in LLAMA_LAYER:
+    for module in layer_modules(dims):
         shape = module.shape(dims)
+        if module.tp is TpStyle.EXPERT:
+            # A token passes through top-k of the experts, which a tp group shares out (ep = tp): per token
+            # and rank, the FLOPs of top_k / tp experts' matmuls.
+            _, n, k = shape
+            shapes.append((k, math.ceil(n * dims.experts_per_token / tp)))
+            continue
         if len(shape) != 2:
             continue
         n, k = shape

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -29,7 +29,49 @@ def _checkpoint_error(folder: Path, message: str, fix: str) -> GraphRLError:
 
 
 # Each family's Hugging Face class, by model_type.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def stack_experts(state: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Tensor]:
+    """`state` with every layer's experts as the model holds them (`mlp.experts.gate_proj` [E, width,
+    hidden], ...), from a checkpoint's one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, how
+    released MoE checkpoints and vLLM name them) or transformers 5's fused `mlp.experts.gate_up_proj`."""
+    if not dims.is_moe:
+        return dict(state)
+    out = {}
+    per_expert: dict[str, dict[int, Tensor]] = {}
+    for name, tensor in state.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = tensor
+            continue
+        index, _, rest = tail.partition(".")
+        if index.isdigit() and rest.removesuffix(".weight") in _EXPERT_PROJECTIONS:
+            per_expert.setdefault(f"{head}.mlp.experts.{rest.removesuffix('.weight')}", {})[int(index)] = tensor
+        elif tail == "gate_up_proj":
+            out[f"{head}.mlp.experts.gate_proj"], out[f"{head}.mlp.experts.up_proj"] = tensor.chunk(2, dim=1)
+        else:
+            out[name] = tensor
+    for name, experts in per_expert.items():
+        if sorted(experts) == list(range(dims.num_experts)):
+            out[name] = torch.stack([experts[e] for e in range(dims.num_experts)])
+        else:  # left as they are: the shape check names the stacked tensor missing
+            head, _, projection = name.rpartition(".")
+            out.update({f"{head}.{e}.{projection}.weight": tensor for e, tensor in experts.items()})
+    return out
+
+
+def hub_tensors(state: Iterable[tuple[str, Tensor]], dims: ModelDims) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) as a released checkpoint names them: stacked experts one tensor per expert."""
+    for name, tensor in state:
+        head, sep, tail = name.partition(".mlp.experts.")
+        if sep and dims.is_moe and tail in _EXPERT_PROJECTIONS:
+            for e in range(tensor.shape[0]):
+                yield f"{head}.mlp.experts.{e}.{tail}.weight", tensor[e]
+        else:
+            yield name, tensor
 
 
 def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
@@ -61,7 +103,7 @@ def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
     num_heads = int(config["num_attention_heads"])
     hidden_size = int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or 0)
-    if model_type != "qwen3" and head_dim and head_dim * num_heads != hidden_size:
+    if model_type not in ("qwen3", "qwen3_moe") and head_dim and head_dim * num_heads != hidden_size:
         raise GraphRLError(
             f"config.json has head_dim {head_dim} but hidden_size/num_attention_heads = {hidden_size // num_heads}",
             fix="use a checkpoint whose head_dim equals hidden_size / num_attention_heads",
@@ -85,7 +127,20 @@ def dims_from_hf_config(config: Mapping[str, Any]) -> ModelDims:
             "logits will differ from Hugging Face's, mostly at long positions",
             stacklevel=2,
         )
+    moe: dict[str, Any] = {}
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+            raise GraphRLError("config.json mixes dense and mixture-of-experts layers (mlp_only_layers or "
+                               "decoder_sparse_step); graphrl's MoE models route in every layer",
+                               fix="use a checkpoint with experts in every layer (every released Qwen MoE model)")
+        moe = {"num_experts": int(config.get("num_experts") or config["num_local_experts"]), "experts_per_token": int(config["num_experts_per_tok"]),
+               "expert_intermediate_size": int(config["moe_intermediate_size"]),
+               "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
+               if model_type == "qwen2_moe" else 0,
+               "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+               "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001))}
     return ModelDims(
+        **moe,
         family=model_type,
         head_dim=head_dim,
         vocab_size=int(config["vocab_size"]),
@@ -118,9 +173,17 @@ def hf_config_from_dims(dims: ModelDims, dtype: torch.dtype = torch.float32) -> 
     family_keys: dict[str, Any] = {"attention_bias": False, "mlp_bias": False}
     if dims.family == "qwen2":
         family_keys = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": dims.num_layers}
-    elif dims.family == "qwen3":
+    elif dims.family in ("qwen3", "qwen3_moe"):
         family_keys = {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
                        "max_window_layers": dims.num_layers}
+    if dims.family == "qwen2_moe":
+        family_keys = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": dims.num_layers,
+                       "shared_expert_intermediate_size": dims.shared_expert_intermediate_size}
+    if dims.is_moe:
+        family_keys.update({"num_experts": dims.num_experts, "num_experts_per_tok": dims.experts_per_token,
+                            "moe_intermediate_size": dims.expert_intermediate_size, "decoder_sparse_step": 1,
+                            "mlp_only_layers": [], "norm_topk_prob": dims.norm_topk_prob,
+                            "router_aux_loss_coef": dims.router_aux_loss_coef, "output_router_logits": False})
     return {
         "architectures": [ARCHITECTURES[dims.family]],
         "model_type": dims.family,
@@ -172,7 +235,7 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]
     for shard in shard_files:
         state_dict.update(load_file(str(shard)))
 
-    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    state_dict = stack_experts({k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}, dims)
     if dims.tie_embeddings:
         state_dict.pop("lm_head.weight", None)
     expected = param_shapes(dims, "value" if "value_head.weight" in state_dict else "lm")
@@ -206,7 +269,7 @@ def save_hf_state(state: Mapping[str, Tensor], dims: ModelDims, folder: str | Pa
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state_dict = {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}
+    state_dict = {name: tensor.detach().contiguous().cpu() for name, tensor in hub_tensors(state.items(), dims)}
     dtype = next(iter(state_dict.values())).dtype
     (folder / "config.json").write_text(json.dumps(hf_config_from_dims(dims, dtype), indent=2) + "\n")
     # HF refuses safetensors files without format metadata.

@@ -22,8 +22,9 @@ scoring may drop the padding altogether (`PackedSequences`: every row's real tok
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -286,16 +287,151 @@ class PackedSequences:
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), `width` features wide (default: the dims')."""
 
-    def __init__(self, dims: ModelDims, **factory: Any) -> None:
+    def __init__(self, dims: ModelDims, width: int | None = None, **factory: Any) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False, **factory)
-        self.up_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False, **factory)
+        width = dims.intermediate_size if width is None else width
+        self.gate_proj = nn.Linear(dims.hidden_size, width, bias=False, **factory)
+        self.up_proj = nn.Linear(dims.hidden_size, width, bias=False, **factory)
+        self.down_proj = nn.Linear(width, dims.hidden_size, bias=False, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class Routing:
+    """What the forwards inside `routing(model, ...)` record of their mixture-of-experts layers, or impose
+    on them. Tokens are the forward's own, flattened in order ([B, T] row-major, or packed).
+
+    - `chosen[i]`: int64 [N, k], the experts layer i routed each token to, in the forward's order;
+    - `router_logits[i]`: [N, E] of layer i when `keep_logits` (a trained model's load-balancing loss);
+    - `replay`: int64 [L, N, k] routes to use instead of the router's top-k (routing replay); a row of -1
+      (a token nobody routed before) takes the router's own choice. The weights are still the router's
+      probabilities of the replayed experts, so gradients reach the router.
+    """
+
+    keep_logits: bool = False
+    replay: Tensor | None = None
+    chosen: list[Tensor] = field(default_factory=list)
+    router_logits: list[Tensor] = field(default_factory=list)
+
+
+class Experts(nn.Module):
+    """`num` SwiGLU experts stacked on dim 0 (`gate_proj`, `up_proj` [num, width, hidden], `down_proj`
+    [num, hidden, width]): experts `start`..`start + num - 1` of the model's (a tensor-parallel rank holds
+    a share of them, `TpStyle.EXPERT`)."""
+
+    def __init__(self, num: int, hidden: int, width: int, start: int = 0, **factory: Any) -> None:
+        super().__init__()
+        self.start = start
+        self.gate_proj = nn.Parameter(torch.empty(num, width, hidden, **factory))
+        self.up_proj = nn.Parameter(torch.empty(num, width, hidden, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden, width, **factory))
+
+    def forward(self, x_nh: Tensor, experts_nk: Tensor, weights_nk: Tensor) -> Tensor:
+        """Sum over each token's routed experts held here of weight * expert(token); [N, hidden]."""
+        out = torch.zeros_like(x_nh)
+        local_nk = experts_nk - self.start
+        held = (local_nk >= 0) & (local_nk < self.gate_proj.shape[0])
+        token_a, slot_a = held.nonzero(as_tuple=True)
+        if token_a.numel() == 0:
+            # no token here: the weights still join the graph, so data-parallel gradient hooks fire
+            return out + 0.0 * (self.gate_proj.sum() + self.up_proj.sum() + self.down_proj.sum())
+        expert_a = local_nk[token_a, slot_a]
+        order = torch.argsort(expert_a, stable=True)
+        token_a, slot_a, expert_a = token_a[order], slot_a[order], expert_a[order]
+        counts = torch.bincount(expert_a, minlength=self.gate_proj.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens, slots = token_a[start:start + n], slot_a[start:start + n]
+            start += n
+            h = x_nh[tokens]
+            y = F.linear(F.silu(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e]), self.down_proj[e])
+            out.index_add_(0, tokens, y * weights_nk[tokens, slots, None].to(y.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward block (Qwen2-MoE, Qwen3-MoE): a router (`gate`) picks each token's
+    top-k experts from a softmax over all of them (renormalized over the k with `norm_topk_prob`), the
+    token's output is the probability-weighted sum of those experts' outputs, plus, in Qwen2-MoE, a shared
+    expert scaled by a sigmoid gate. On a tensor-parallel generator (`reduce` set) each rank holds some of
+    the experts and its slice of the shared expert; their partial sums are all-reduced once."""
+
+    def __init__(self, dims: ModelDims, **factory: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = dims.num_experts, dims.experts_per_token, dims.norm_topk_prob
+        self.gate = nn.Linear(dims.hidden_size, dims.num_experts, bias=False, **factory)
+        self.experts = Experts(dims.num_experts, dims.hidden_size, dims.expert_intermediate_size, **factory)
+        shared = dims.shared_expert_intermediate_size
+        self.shared_expert: MLP | None = MLP(dims, shared, **factory) if shared else None
+        self.shared_expert_gate: nn.Linear | None = (nn.Linear(dims.hidden_size, 1, bias=False, **factory)
+                                                     if shared else None)
+        self.routing: Routing | None = None  # set by `routing(model)` for the forwards inside it
+        self.layer_index = 0  # among the model's MoE layers, set by the trunk
+        self.reduce: Any = None  # a tensor-parallel group's all-reduce
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x_nh = x.reshape(-1, shape[-1])
+        logits_ne = self.gate(x_nh)
+        probs_ne = torch.softmax(logits_ne, dim=-1, dtype=torch.float32)
+        top_p, top_i = torch.topk(probs_ne, self.top_k, dim=-1)
+        log = self.routing
+        if log is not None and log.replay is not None:
+            replay = log.replay[self.layer_index].to(top_i.device)
+            top_i = torch.where(replay >= 0, replay, top_i)
+            top_p = probs_ne.gather(-1, top_i)
+        if self.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        if log is not None:
+            log.chosen.append(top_i.detach())
+            if log.keep_logits:
+                log.router_logits.append(logits_ne)
+        out = self.experts(x_nh, top_i, top_p.to(logits_ne.dtype))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x_nh)) * self.shared_expert(x_nh)
+        if self.reduce is not None:
+            out = self.reduce(out)
+        return out.view(shape)
+
+
+def load_balancing_loss(router_logits: list[Tensor], num_experts: int, top_k: int,
+                        token_mask: Tensor | None = None) -> Tensor:
+    """Switch Transformer's load-balancing loss as Hugging Face computes it for Qwen-MoE: over all MoE
+    layers' real tokens, num_experts * sum_e f_e * P_e, with f_e the share of top-k assignments that go to
+    expert e and P_e its mean router probability (1 * top_k when perfectly balanced)."""
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:
+        p = torch.softmax(logits.float(), dim=-1)
+        weight = torch.ones(p.shape[0], device=device) if token_mask is None else token_mask.reshape(-1).float()
+        chosen = torch.topk(p, top_k, dim=-1).indices
+        counts = counts.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        probs = probs + (p * weight[:, None]).sum(0)
+        rows = rows + weight.sum()
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+@contextmanager
+def routing(model: nn.Module, *, keep_logits: bool = False, replay: Tensor | None = None) -> Iterator[Routing]:
+    """Record (and with `replay`, impose) the routes of `model`'s mixture-of-experts layers in the forwards
+    run inside; nothing for a dense model."""
+    log = Routing(keep_logits=keep_logits, replay=replay)
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for block in blocks:
+        block.routing = log
+    try:
+        yield log
+    finally:
+        for block in blocks:
+            block.routing = None
 
 
 class DecoderLayer(nn.Module):
@@ -304,7 +440,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, dims: ModelDims, layer_index: int, **factory: Any) -> None:
         super().__init__()
         self.self_attn = Attention(dims, layer_index, **factory)
-        self.mlp = MLP(dims, **factory)
+        self.mlp: MLP | MoE = MoE(dims, **factory) if dims.is_moe else MLP(dims, **factory)
+        if isinstance(self.mlp, MoE):
+            self.mlp.layer_index = layer_index
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
 
@@ -389,6 +527,9 @@ def _init_weights(module: nn.Module, std: float = 0.02) -> None:
                 nn.init.zeros_(sub.bias)
         elif isinstance(sub, RMSNorm):
             nn.init.ones_(sub.weight)
+        elif isinstance(sub, Experts):
+            for weight in (sub.gate_proj, sub.up_proj, sub.down_proj):
+                nn.init.normal_(weight, mean=0.0, std=std)
 
 
 class Llama(nn.Module):

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from graphrl.errors import DataError, GraphRLError
 from graphrl.executors.models.llama import param_shapes
-from graphrl.executors.models.hf_checkpoint import dims_from_hf_config, load_hf_checkpoint, state_mismatch
+from graphrl.executors.models.hf_checkpoint import (dims_from_hf_config, load_hf_checkpoint, stack_experts,
+                                                      state_mismatch)
 from graphrl.schemas.model import ModelDims
 
 
@@ -137,7 +138,7 @@ def _gguf_state(path: Path) -> tuple[ModelDims, dict[str, Tensor]]:
     except Exception as exc:  # noqa: BLE001 - a damaged file fails anywhere inside the gguf reader
         raise unreadable_gguf(path, exc) from None
     dims = dims_from_hf_config(hf_model.config.to_dict())
-    state = hf_model.state_dict()
+    state = stack_experts(hf_model.state_dict(), dims)
     expected = param_shapes(dims)
     if dims.tie_embeddings:
         state.pop("lm_head.weight", None)

@@ -160,3 +160,106 @@ def test_a_checkpoint_whose_tensors_differ_from_its_config_names_the_first(tmp_p
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(GraphRLError, match=r"model.layers.0.self_attn.k_proj.bias has shape \(7,\).*\(and 1 more\)"):
         from_pretrained(tmp_path)
+
+
+# -- mixture of experts ----------------------------------------------------------------------------------
+
+
+def _moe_config(family: str, norm_topk: bool):  # noqa: ANN202
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=6,
+                  num_experts_per_tok=2, norm_topk_prob=norm_topk, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=56, **common)
+    return transformers.Qwen3MoeConfig(head_dim=32, **common)
+
+
+def hf_moe(family: str, norm_topk: bool = True, seed: int = 0):  # noqa: ANN202
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_moe_config(family, norm_topk))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen) * 0.15
+            # routers drawn wider, so that top-k choices are not near-ties a float32 reordering could flip
+            param.copy_(noise * 8 if name.endswith("mlp.gate.weight") else noise if param.dim() >= 2 else 1.0 + noise)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("family", "norm_topk"), [("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", False)])
+def test_moe_logits_match_transformers(tmp_path, family: str, norm_topk: bool) -> None:
+    hf = hf_moe(family, norm_topk)
+    hf.save_pretrained(tmp_path)  # one tensor per expert on disk, as released checkpoints hold them
+    ours, _ = from_pretrained(tmp_path)
+    assert ours.dims.family == family and ours.dims.num_experts == 6 and ours.dims.norm_topk_prob is norm_topk
+    ids = torch.randint(3, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits.float()
+        got = ours(ids)
+    assert _relative(got, want) <= REL_TOL
+
+
+def test_moe_greedy_continuation_matches_transformers(tmp_path) -> None:
+    hf = hf_moe("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    ours, _ = from_pretrained(tmp_path)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)[:, 9:]
+    got = generate(ours, ids, mask, 16, temperature=0.0, eos_id=None, pad_id=0)
+    assert torch.equal(got.response_ids, want)
+
+
+def test_moe_saved_model_loads_back_into_transformers(tmp_path) -> None:
+    hf = hf_moe("qwen2_moe")
+    hf.save_pretrained(tmp_path / "hf")
+    ours, _ = from_pretrained(tmp_path / "hf")
+    save_pretrained(ours, tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(again) is type(hf)
+    ids = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert _relative(again(input_ids=ids).logits, hf(input_ids=ids).logits) <= REL_TOL
+
+
+def test_load_balancing_loss_is_transformers(tmp_path) -> None:
+    from graphrl.executors.models.llama import load_balancing_loss, routing
+
+    hf = hf_moe("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    ours, _ = from_pretrained(tmp_path)
+    ids = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+        with routing(ours, keep_logits=True) as log:
+            ours(ids, mask.bool())
+    assert len(log.router_logits) == 2 and [c.shape for c in log.chosen] == [(60, 2)] * 2
+    torch.testing.assert_close(load_balancing_loss(log.router_logits, 6, 2, mask.bool()), want.float(), rtol=1e-5, atol=0)
+
+
+def test_replayed_routes_are_used_and_the_router_still_gets_gradients() -> None:
+    from graphrl.executors.models.llama import routing
+
+    torch.manual_seed(0)
+    model = Llama(MODEL_PRESETS["tiny-digits-moe"])
+    ids = torch.randint(0, 16, (2, 7))
+    with torch.no_grad(), routing(model) as first:
+        own = model(ids)
+    recorded = torch.stack(first.chosen)  # [layers, tokens, k]
+    with torch.no_grad(), routing(model, replay=recorded) as again:
+        same = model(ids)
+    torch.testing.assert_close(same, own, rtol=0, atol=0)
+    other = (recorded + 1) % 4  # every token sent to other experts
+    other[:, :3] = -1  # the first tokens left to the router
+    with routing(model, replay=other) as forced:
+        changed = model(ids)
+    assert torch.equal(torch.stack(forced.chosen)[:, 3:], other[:, 3:])
+    assert torch.equal(torch.stack(forced.chosen)[:, :3], recorded[:, :3])
+    assert not torch.allclose(changed, own)
+    changed.sum().backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
