@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from graphrl.errors import PlacementError
+from graphrl.schemas.sharding import tp_split_problem
 from graphrl.engine_support import ENGINE_PRECISIONS, engine_sleeps
 
 from graphrl.compiler.candidates import (GB, Evaluated, GenCfg, Problem, TrainCfg, gen_cfgs, splits, strategies,
@@ -242,7 +243,12 @@ def no_fit_error(p: Problem, rejected: list[Evaluated]) -> PlacementError:
             fixes.append("sharding: fsdp")
         if not nearest.train.offload:
             fixes.append("offload: true")
-        fixes.append(f"a larger tp (tp: {nearest.train.tp * 2})")
+        trained = p.roles_of("train")
+        if all(tp_split_problem(role.dims, nearest.train.tp * 2, "train") is None for role in trained):
+            fixes.append(f"a larger tp (tp: {nearest.train.tp * 2})")
+        elif any(role.dims.is_moe for role in trained):
+            fixes.append("a smaller micro_batch_size (a mixture-of-experts trainer shards its experts with fsdp, "
+                         "which gathers a whole layer's experts at a time)")
     return PlacementError(
         f"no layout fits: {nearest.worst_role} needs {nearest.needed_bytes / GB:.2f} GB per device, "
         f"{nearest.available_bytes / GB:.2f} GB available (nearest: {nearest.label}"

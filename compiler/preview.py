@@ -86,6 +86,58 @@ def _layout_tables(layout: Layout, title: str) -> list[Table]:
     return [meshes, roles, *engines, mem, *([ops] if layout.operations else [])]
 
 
+def _count(n: float) -> str:
+    """A parameter count the way model cards say it (30.5B, 135M, 84K)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def expert_placement(plan: Plan) -> list[str]:
+    """Where each mixture-of-experts model's experts live in the chosen layout, and what combining their
+    outputs costs: the trainer's copy sharded by fsdp, a generator's tp group sharing them out (ep = tp)."""
+    from graphrl.compiler.cost.model import active_param_count, expert_combine_bytes, param_count
+    from graphrl.ops import ROUTE_BYTES, route_width
+
+    lines = []
+    for name, spec in plan.job.models.items():
+        try:
+            dims = spec.resolved_dims()
+        except ValueError:
+            continue
+        if not dims.is_moe:
+            continue
+        where = []
+        for p in plan.chosen.placements:
+            if p.model != name:
+                continue
+            if p.kind == "generate":
+                tokens = 0.0 if plan.workload is None else plan.workload.responses * (
+                    plan.workload.prompt_len + plan.workload.mean_response_tokens) / max(1, p.dp)
+                where.append(f"{p.role} holds {dims.num_experts // p.tp} per rank (ep = tp = {p.tp})"
+                             + (f", combining their shares with one all-reduce of [tokens, {dims.hidden_size}] per "
+                                f"layer: {human_bytes(expert_combine_bytes(dims, tokens, p.tp))} per rank per step"
+                                if p.tp > 1 else ", all of them on every rank"))
+            else:
+                where.append(f"{p.role} ({p.kind}) shards them with {p.sharding if p.kind == 'train' else 'fsdp'} "
+                             f"over {p.fsdp} ranks" if p.fsdp > 1 else f"{p.role} ({p.kind}) holds all of them")
+        line = (f"experts of {name} ({dims.family}): {dims.num_experts} x {dims.num_layers} layers, "
+                f"{dims.experts_per_token} per token; {_count(param_count(dims))} parameters, "
+                f"{_count(active_param_count(dims))} active per token; " + "; ".join(where))
+        gen_model = next((p.model for p in plan.chosen.placements if p.kind == "generate"), None)
+        if name == gen_model and plan.workload is not None:
+            tokens = plan.workload.responses * (plan.workload.prompt_len + plan.workload.mean_response_tokens)
+            line += (f"; the generator's routes ride with the rollouts: {human_bytes(tokens * route_width(dims) * ROUTE_BYTES)} "
+                     f"per step ({dims.num_layers} x {dims.experts_per_token} experts per token), replayed in training "
+                     f"with router_replay {plan.job.algorithm.router_replay}" if plan.job.algorithm.router_replay == "R3"
+                     else f"; the generator's routes ride with the rollouts: "
+                          f"{human_bytes(tokens * route_width(dims) * ROUTE_BYTES)} per step, compared with the "
+                          "trainer's (router_mismatch)")
+        lines.append(line)
+    return lines
+
+
 def _engine_phases(p: RolePlacement, layout: Layout) -> str:
     """When a serving engine holds its copy and KV cache, as the plan charges it."""
     if p.sleeps:
@@ -132,6 +184,7 @@ def render_text(plan: Plan, *, explain: bool = False, width: int = 160) -> str:
     parts: list = [Text(head, style="bold")]
     if plan.workload is not None:
         parts.append(Text(plan.workload.describe()))
+    parts += [Text(line) for line in expert_placement(plan)]
     refusals = plan_refusals(plan)
     if refusals:
         parts.append(Text("preview only, `graphrl run` refuses this plan: "

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from graphrl.compiler.lengths import Lengths, lengths_of
+from graphrl.ops import route_width
 from graphrl.errors import JobError
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
@@ -46,6 +47,7 @@ class Workload:
     mini_batch: int = 0  # responses per optimizer step (0 = the whole batch)
     pack: bool = False  # log-prob and training passes pack each micro-batch's sequences
     lengths: Lengths | None = None  # response lengths (None: every response response_len long)
+    routes: int = 0  # route entries per token a mixture of experts' rollouts carry (`ops.route_width`)
 
     @property
     def responses(self) -> int:
@@ -177,4 +179,5 @@ def derive_workload(graph: JobGraph) -> Workload:
         response_len=sizes["R"], micro_batch=alg.micro_batch_size, updates_per_step=alg.updates_per_step,
         mini_batch=alg.mini_batch_size, pack=alg.pack_sequences,
         lengths=lengths_of(gen.spec.response_tokens, sizes["R"]),  # typecheck refused what it cannot hold
+        routes=route_width(graph.job.models[gen.spec.model].resolved_dims()),
     )

@@ -368,6 +368,20 @@ def _check_algorithm(graph: JobGraph) -> tuple[str, ...]:
     return tuple(warnings)
 
 
+def _check_router_replay(graph: JobGraph) -> None:
+    """Routing replay needs a trained mixture-of-experts policy."""
+    replay = graph.job.algorithm.router_replay
+    if replay == "none":
+        return
+    trained = {node.spec.model for node in graph.nodes() if node.op == "train"
+               and LOSSES[node.spec.loss].trains != "critic"}
+    dense = sorted(m for m in trained if not graph.job.models[m].resolved_dims().is_moe)
+    if dense:
+        raise JobError(f"router_replay {replay} replays the routes of a mixture of experts, but {dense[0]!r} is a "
+                       "dense model", path=("algorithm", "router_replay"),
+                       fix="set router_replay: none, or train a mixture-of-experts model (qwen2_moe, qwen3_moe)")
+
+
 def _check_mini_batch(graph: JobGraph, sizes: dict[str, dict[str, int]]) -> None:
     """`algorithm.mini_batch_size` cuts the batch of responses into equal optimizer steps: it must divide it."""
     mini = graph.job.algorithm.mini_batch_size
@@ -427,6 +441,7 @@ def typecheck(graph: JobGraph, cluster: ClusterSpec | None = None, target: Targe
     _check_lengths(graph)
     _check_references(graph)
     _check_groups(graph)
+    _check_router_replay(graph)
     _check_model_dtypes(graph, target)
     warnings = _check_algorithm(graph) + check_pins(graph, cluster, target)
     return graph.with_sizes(sizes).with_warnings(*warnings)

@@ -47,6 +47,7 @@ from graphrl.schemas.program import (
     describe,
 )
 from graphrl.datasets import prompt_source
+from graphrl.ops import ROUTES_FIELD, route_width
 from graphrl.rewards import RewardRuleError, combined_reward
 from graphrl.tasks import REWARDS, resolve_callable
 
@@ -119,6 +120,10 @@ class RankExecutor:
         # Scoring an unwrapped model packs sequences as the job says; wrapped ones were built packing.
         self.pack = plan.job.algorithm.pack_sequences
         self.source = prompt_source(plan.job, data_node.spec, gen_node.spec)
+        # A mixture of experts' native generator records the routes its rollouts carry (R2/R3, the mismatch).
+        engines = {p.engine for p in plan.chosen.placements if p.kind == "generate"}
+        self.route_width = route_width(plan.job.models[gen_node.spec.model].resolved_dims()) if engines == {"native"} else 0
+        self.router_replay = plan.job.algorithm.router_replay
         self.samples = SamplesWriter(out_dir, plan.job.run.samples_per_step)
         self.start_step = start_step
         self.values: dict[tuple[int, str, str], Any] = {}
@@ -397,13 +402,17 @@ class RankExecutor:
         parts = []
         # Log-probs of the sampling distribution, logits / T, as the generator's behaviour log-probs.
         with torch.no_grad(), sampling_temperature(role.module, self.gen_node.spec.temperature):
+            replays = self.router_replay == "R3" and role.placement.model == self.policy_role and ROUTES_FIELD in r
             for rows in self._micro_batches(role, r):
                 b = {k: r[k][rows] for k in training.ROW_FIELDS}
+                routes = r[ROUTES_FIELD][rows] if replays else None
                 if role.wrapped is not None:  # trained (DDP / FSDP2) or tensor-parallel: through its wrapper
-                    lp, _ = role.wrapped(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+                    lp, _ = role.wrapped(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"],
+                                         routes=routes)
                 else:
                     lp, _ = token_logprobs_and_entropy(role.module, b["prompt_ids"], b["prompt_mask"],
-                                                       b["response_ids"], b["response_mask"], pack=self.pack)
+                                                       b["response_ids"], b["response_mask"], pack=self.pack,
+                                                       routes=routes)
                 parts.append(lp.float())
         self.values[(ins.step, ins.node, "logprobs")] = torch.cat(parts)
 
@@ -572,7 +581,7 @@ class RankExecutor:
 
     def recv(self, ins: Recv) -> None:
         piece = recv_piece(self.rt, ins.peer, ins.stop - ins.start, self.data_node.spec.prompt_len,
-                           self.gen_node.spec.max_new_tokens, self.source.pad_id)
+                           self.gen_node.spec.max_new_tokens, self.source.pad_id, self.route_width)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _piece_for(self, ins: Send) -> dict[str, Tensor]:

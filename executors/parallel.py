@@ -71,9 +71,9 @@ class PolicyForward(nn.Module):
         self.pack = pack
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor) -> tuple[Tensor, Tensor]:
+                response_mask: Tensor, routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return token_logprobs_and_entropy(self.model, prompt_ids, prompt_mask, response_ids, response_mask,
-                                          pack=self.pack)
+                                          pack=self.pack, routes=routes)
 
 
 class _WholeLogits:
@@ -108,9 +108,9 @@ class TensorParallelPolicyForward(PolicyForward):
     """`PolicyForward` of a tensor-parallel model: (logprobs, entropy) [B, R], plain and replicated over tp."""
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor) -> tuple[Tensor, Tensor]:
+                response_mask: Tensor, routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return token_logprobs_and_entropy(_WholeLogits(self.model), prompt_ids, prompt_mask,  # type: ignore[arg-type]
-                                          response_ids, response_mask, pack=self.pack)
+                                          response_ids, response_mask, pack=self.pack, routes=routes)
 
 
 class CriticForward(nn.Module):

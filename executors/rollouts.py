@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphrl.ops import ROLLOUTS
+from graphrl.ops import ROLLOUTS, ROUTES_FIELD
 
 from graphrl.executors.models.sampling import used_response_columns
 
@@ -43,6 +43,8 @@ def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tens
     if cursor < hi:
         return None, cursor
     out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
+    if all(ROUTES_FIELD in p for p in parts):
+        out[ROUTES_FIELD] = torch.cat([p[ROUTES_FIELD] for p in parts])
     out["version"] = torch.tensor([max(int(p["version"].item()) for p in parts)])
     return out, cursor
 
@@ -59,7 +61,8 @@ def wire_layout(num_responses: int, prompt_len: int, response_len: int) -> list[
 
 
 def send_piece(rt: Any, piece: dict[str, Tensor], peer: int) -> None:
-    """Send a piece's used response width, then its tensors cut to it, to `peer` in wire order."""
+    """Send a piece's used response width, then its tensors cut to it, to `peer` in wire order (a mixture
+    of experts' routes last, the prompt's and the used response columns')."""
     width = used_response_columns(piece["response_mask"])
     rt.send(torch.tensor([width], dtype=torch.int64, device=rt.comm_device), peer)
     for name in (*ROLLOUT_FIELDS, "version"):
@@ -67,12 +70,15 @@ def send_piece(rt: Any, piece: dict[str, Tensor], peer: int) -> None:
         if name in _RESPONSE_FIELDS:
             tensor = tensor[:, :width].contiguous()
         rt.send(tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor, peer)
+    if ROUTES_FIELD in piece:
+        rt.send(piece[ROUTES_FIELD][:, :piece["prompt_ids"].shape[1] + width].contiguous(), peer)
 
 
 def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response_len: int,
-               pad_id: int = 0) -> dict[str, Tensor]:
+               pad_id: int = 0, route_width: int = 0) -> dict[str, Tensor]:
     """Receive a piece from `peer` (its sizes known from the plan, its width from the wire), on this rank's
-    device, its response columns padded back to `response_len` (ids with `pad_id`, masks False, 0)."""
+    device, its response columns padded back to `response_len` (ids with `pad_id`, masks False, 0); with
+    `route_width` (a mixture of experts' `ops.route_width`), its routes too."""
     width = torch.empty(1, dtype=torch.int64, device=rt.comm_device)
     rt.recv(width, peer)
     used = int(width.item())
@@ -84,6 +90,10 @@ def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response
             fill = pad_id if name == "response_ids" else 0
             buf = torch.nn.functional.pad(buf, (0, response_len - used), value=fill)
         piece[name] = buf.to(rt.device).bool() if dtype == torch.uint8 else buf.to(rt.device)
+    if route_width:
+        buf = torch.empty((num_responses, prompt_len + used, route_width), dtype=torch.int16, device=rt.comm_device)
+        rt.recv(buf, peer)
+        piece[ROUTES_FIELD] = torch.nn.functional.pad(buf, (0, 0, 0, response_len - used)).to(rt.device)
     return piece
 
 

@@ -13,8 +13,9 @@ agree on the number of micro-batches (every forward of a wrapped model runs coll
 from __future__ import annotations
 
 import contextlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,15 @@ from torch import Tensor, nn
 
 from graphrl.errors import RunError
 from graphrl.schemas.algorithms import LOSSES
+from graphrl.ops import ROUTES_FIELD
 from graphrl.schemas.job import AlgorithmSpec
+from graphrl.schemas.model import ModelDims
 
 from graphrl.executors import algorithms as alg
 from graphrl.executors import loss as loss_fns
 from graphrl.executors.guards import check_update
 from graphrl.executors.mismatch import logprob_mismatch
+from graphrl.executors.models.llama import Routing, routing
 from graphrl.executors.models.sampling import sampling_temperature
 from graphrl.executors.parallel import clip_grad_norm
 from graphrl.executors.roles import RoleState
@@ -167,6 +171,11 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
     same_weights = not critic and int(rollouts["version"].item()) == role.version
     first_step: list[Tensor] = []
     last_pass: list[dict[str, float]] = []
+    dims = getattr(role.module, "dims", None)
+    moe = not critic and dims is not None and dims.is_moe
+    routes = rollouts.get(ROUTES_FIELD) if moe else None
+    own_routes: dict[tuple[int, int], Tensor] = {}  # R2: each micro-batch's routing in the first pass
+    router = RouterStats()
     for pass_index in range(a.updates_per_step):
         last_pass = []
         for s, opt_step in enumerate(steps):
@@ -184,8 +193,14 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                         loss, part_metrics = loss_fns.critic_objective(values, part, advantages["returns"][rows],
                                                                        b["response_mask"], weights, a)
                     else:
-                        with sampling_temperature(role.module, temperature):
-                            logprobs, entropy = module(*(b[key] for key in ROW_FIELDS))
+                        # The generator's routes: replayed under R3, compared with the router's own otherwise
+                        # (the forward's own choice stays; only a replay of -1 everywhere leaves it alone).
+                        given = routes[rows] if routes is not None else None
+                        measure = given is not None and pass_index == 0 and s == 0 and same_weights
+                        with sampling_temperature(role.module, temperature), \
+                                _routing(role.module, moe, own_routes.get((s, k)), a.router_replay == "R3") as log:
+                            logprobs, entropy = module(*(b[key] for key in ROW_FIELDS),
+                                                       routes=given if a.router_replay == "R3" or measure else None)
                         if pass_index == 0 and s == 0 and same_weights:
                             first_step.append(logprobs.detach())
                         batch = loss_fns.PolicyBatch(
@@ -193,6 +208,12 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                             None if ref is None else ref[rows], advantages["advantages"][rows], b["response_mask"],
                             weights, advantages["kl"][rows] if "kl" in advantages else None)
                         loss, part_metrics = loss_fns.policy_objective(batch, loss_name, a)
+                        if log is not None:
+                            loss, part_metrics = router.account(log, loss, part_metrics, dims, a, measure,
+                                                                share=(rows.stop - rows.start) /
+                                                                (opt_step.rows.stop - opt_step.rows.start))
+                            if a.router_replay == "R2" and pass_index == 0:
+                                own_routes[(s, k)] = torch.stack(log.chosen)
                     # DDP / FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share.
                     (loss * dp_size).backward()
                 for key, value in part_metrics.items():
@@ -207,7 +228,51 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
         rows = steps[0].rows
         metrics.update(logprob_mismatch(rollouts["behaviour_logprobs"][rows], torch.cat(first_step), mask[rows],
                                         a.aipo_rho))
+    metrics.update(router.metrics())
     return metrics
+
+
+@contextmanager
+def _routing(model: nn.Module, moe: bool, replay: Tensor | None, impose_given: bool) -> Iterator[Routing | None]:
+    """A mixture of experts' routing log around a training forward (its router logits kept for the
+    load-balancing loss; `replay` imposed: R2's first-pass routes; the generator's routes imposed with
+    `impose_given`, R3, else only compared), or nothing for a dense model."""
+    if not moe:
+        yield None
+        return
+    with routing(model, keep_logits=True, replay=replay, impose_given=impose_given) as log:
+        yield log
+
+
+@dataclass
+class RouterStats:
+    """A mixture of experts' training: its load-balancing loss added to each micro-batch's, and the share of
+    the generator's router decisions the trainer's router makes otherwise (the routing mismatch, measured
+    where the trainer holds the generator's weights)."""
+
+    aux: float = 0.0
+    aux_parts: int = 0
+    differing: float = 0.0
+    decisions: float = 0.0
+
+    def account(self, log: Routing, loss: Tensor, metrics: dict[str, float], dims: ModelDims, a: AlgorithmSpec,
+                measured: bool, share: float) -> tuple[Tensor, dict[str, float]]:
+        aux = log.router_loss(dims.num_experts, dims.experts_per_token)
+        self.aux += float(aux.detach())
+        self.aux_parts += 1
+        if measured:
+            self.differing += float(log.differing)
+            self.decisions += float(log.decisions)
+        coef = dims.router_aux_loss_coef if a.router_aux_loss_coef is None else a.router_aux_loss_coef
+        return (loss + coef * share * aux if coef else loss), metrics
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        if self.aux_parts:
+            out["router_aux_loss"] = self.aux / self.aux_parts
+        if self.decisions:
+            out["router_mismatch"] = self.differing / self.decisions
+        return out
 
 
 def _gradient_sync(module: nn.Module, *, enabled: bool, keep_gathered: bool = False) -> Any:

@@ -38,9 +38,23 @@ REWARDS = DataSchema.of(rewards="float32[N]")
 ADVANTAGES = DataSchema.of(advantages="float32[N, R]", returns="float32[N, R]")
 
 
-def rollout_bytes_per_response(prompt_len: int, response_len: int) -> int:
-    """Bytes of one response's rollout fields as they cross a link (the executors send exactly these)."""
-    return ROLLOUTS.bytes_per("N", {"P": prompt_len, "R": response_len})
+# A mixture of experts' routes ride with its rollouts (the native generator records them): int16
+# [N, P + R, layers * k], expert + 1, 0 for none (a pad, the last response token). Not a port of the graph,
+# since a dense model's jobs never carry them; the plan charges their bytes where rollouts travel.
+ROUTES_FIELD = "routes"
+ROUTE_BYTES = 2
+
+
+def route_width(dims: object) -> int:
+    """Route entries per token of a model's rollouts: layers x top-k for a mixture of experts, else 0."""
+    return getattr(dims, "num_layers", 0) * getattr(dims, "experts_per_token", 0) if getattr(dims, "is_moe", False) else 0
+
+
+def rollout_bytes_per_response(prompt_len: int, response_len: int, routes: int = 0) -> int:
+    """Bytes of one response's rollout fields as they cross a link (the executors send exactly these), with
+    `routes` route entries per token (`route_width`) for a mixture of experts."""
+    return ROLLOUTS.bytes_per("N", {"P": prompt_len, "R": response_len}) + \
+        (prompt_len + response_len) * routes * ROUTE_BYTES
 
 
 @dataclass(frozen=True)

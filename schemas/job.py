@@ -260,6 +260,9 @@ NodeSpec = Annotated[
 ]
 
 
+RouterReplay = Literal["none", "R2", "R3"]
+
+
 class AlgorithmSpec(Frozen):
     """Hyper-parameters shared by the losses and the optimizer."""
 
@@ -318,6 +321,17 @@ class AlgorithmSpec(Frozen):
         "micro-batches by a token budget (micro_batch_size x (prompt_len + max_new_tokens)) instead of by rows. The "
         "losses equal the unpacked ones.")
     value_clip: Real = Field(default=0.2, gt=0, description="Critic value clipping range.")
+    router_aux_loss_coef: Real | None = Field(
+        default=None, ge=0, description="Mixture-of-experts models: the weight of the load-balancing loss added to "
+        "the policy's (default: the model's own, `router_aux_loss_coef` of its config, 0.001 for Qwen's). Each "
+        "data-parallel rank balances the tokens of its own micro-batches, as Hugging Face's and Megatron's "
+        "default does, so the term depends on the layout; 0 leaves it out.")
+    router_replay: RouterReplay = Field(
+        default="none", description="Mixture-of-experts models: 'R3' trains on the experts the generator routed "
+        "each token to (its routes recorded per token and layer, replayed in the trainer's log-prob and update "
+        "forwards; the router's probabilities of those experts still weight them, so the router keeps learning); "
+        "'R2' replays the trainer's own routing of its first pass over the batch in later passes; 'none' routes "
+        "every forward afresh.")
 
 
 class ScheduleSpec(Frozen):

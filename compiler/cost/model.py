@@ -203,3 +203,19 @@ def kv_shards(dims: ModelDims, tp: int) -> int:
     With tp > kv_heads each KV head is replicated on tp/kv_heads devices (Megatron/vLLM GQA sharding).
     """
     return min(tp, dims.num_kv_heads)
+
+
+def active_param_count(dims: ModelDims) -> int:
+    """Parameters one token's forward multiplies by: all of a dense model's, a mixture of experts' with only
+    the top-k of its experts (`param_count` less the experts a token is not routed to)."""
+    return param_count(dims) - dims.num_layers * (llama_layer_param_count(dims) -
+                                                  llama_layer_param_count(dims, active=True))
+
+
+def expert_combine_bytes(dims: ModelDims, tokens: float, ep: int, dtype_bytes: float = BF16_BYTES) -> float:
+    """Bytes each rank of a generator's tp group sends per step to combine the experts' shares of `tokens`
+    tokens when its `ep` ranks share the experts out: one ring all-reduce of [tokens, hidden] per MoE
+    layer, 2 (ep - 1) / ep of the tensor per rank."""
+    if not dims.is_moe or ep <= 1:
+        return 0.0
+    return dims.num_layers * tokens * dims.hidden_size * dtype_bytes * 2 * (ep - 1) / ep

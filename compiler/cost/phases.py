@@ -300,7 +300,7 @@ def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
     """(seconds, bytes) of one step's rollouts sent from the generator's mesh to the trainer's (`spans`: the
     two meshes together span more than one node)."""
     w = p.workload
-    total = w.responses * rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses))
+    total = w.responses * rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses), w.routes)
     return p2p_seconds(p.hw, total, spans), total
 
 

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from graphrl.ops import ROUTES_FIELD as ROUTES
 from graphrl.schemas.job import Engine
 from graphrl.schemas.plan import RolePlacement
 
@@ -81,16 +82,21 @@ class GenerationEngine(Protocol):
 
 
 def pad_piece(request: GenerationRequest, response_ids: Tensor, response_mask: Tensor,
-              logprobs: Tensor) -> dict[str, Tensor]:
-    """The rollout piece of `request` from responses that may be shorter than `max_new_tokens`."""
+              logprobs: Tensor, routes: Tensor | None = None) -> dict[str, Tensor]:
+    """The rollout piece of `request` from responses that may be shorter than `max_new_tokens`, with a
+    mixture of experts' `routes` (int16 [N, P + R', layers * k], `sampling.routes_of`) when recorded."""
     pad = request.max_new_tokens - response_ids.shape[1]
     if pad > 0:
         response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=request.pad_id)
         response_mask = torch.nn.functional.pad(response_mask, (0, pad), value=False)
         logprobs = torch.nn.functional.pad(logprobs, (0, pad), value=0.0)
-    return {"prompt_ids": request.prompt_ids, "prompt_mask": request.prompt_mask, "response_ids": response_ids,
-            "response_mask": response_mask, "behaviour_logprobs": logprobs.float(),
-            "version": torch.tensor([request.version])}
+    piece = {"prompt_ids": request.prompt_ids, "prompt_mask": request.prompt_mask, "response_ids": response_ids,
+             "response_mask": response_mask, "behaviour_logprobs": logprobs.float(),
+             "version": torch.tensor([request.version])}
+    if routes is not None:
+        width = request.prompt_ids.shape[1] + request.max_new_tokens
+        piece[ROUTES] = torch.nn.functional.pad(routes, (0, 0, 0, width - routes.shape[1]), value=0)
+    return piece
 
 
 class NativeEngine:
@@ -103,7 +109,7 @@ class NativeEngine:
         self.module = module
 
     def generate(self, request: GenerationRequest) -> dict[str, Tensor]:
-        from graphrl.executors.models.sampling import generate
+        from graphrl.executors.models.sampling import generate, routes_of
 
         device = request.prompt_ids.device
         n = request.prompt_ids.shape[0]
@@ -111,12 +117,15 @@ class NativeEngine:
                                      request.max_new_tokens).to(device)
         was_training = self.module.training
         self.module.eval()
+        moe = bool(getattr(getattr(self.module, "dims", None), "is_moe", False))
         with torch.no_grad():
             out = generate(self.module, request.prompt_ids, request.prompt_mask,  # type: ignore[arg-type]
                            request.max_new_tokens, temperature=request.temperature, top_p=request.top_p,
-                           uniforms=uniforms, eos_id=list(request.stop_ids) or None, pad_id=request.pad_id)
+                           uniforms=uniforms, eos_id=list(request.stop_ids) or None, pad_id=request.pad_id,
+                           record_routes=moe)
         self.module.train(was_training)
-        return pad_piece(request, out.response_ids, out.response_mask, out.logprobs)
+        routes = None if out.routes is None else routes_of(out.routes)
+        return pad_piece(request, out.response_ids, out.response_mask, out.logprobs, routes)
 
     def weights_updated(self) -> None:
         """The sampler reads the module's parameters directly."""

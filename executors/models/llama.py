@@ -22,7 +22,7 @@ scoring may drop the padding altogether (`PackedSequences`: every row's real tok
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -310,12 +310,34 @@ class Routing:
     - `replay`: int64 [L, N, k] routes to use instead of the router's top-k (routing replay); a row of -1
       (a token nobody routed before) takes the router's own choice. The weights are still the router's
       probabilities of the replayed experts, so gradients reach the router.
+    - `given`: the same for one forward, declared by it (`replaying`: the generator's routes of its tokens),
+      imposed with `impose_given` (R3), else only compared with the router's choice (`differing`).
     """
 
     keep_logits: bool = False
     replay: Tensor | None = None
+    given: Tensor | None = None
+    impose_given: bool = True
     chosen: list[Tensor] = field(default_factory=list)
     router_logits: list[Tensor] = field(default_factory=list)
+    # Per forward that declared it (`replaying`): which of its flattened tokens are real (None: all).
+    token_masks: list[Tensor | None] = field(default_factory=list)
+    # Against a replay: router decisions (token, layer, slot) the replay covers, and those whose expert is
+    # not among the router's own top-k (the generator/trainer routing mismatch).
+    decisions: Tensor | int = 0
+    differing: Tensor | int = 0
+
+    def router_loss(self, num_experts: int, top_k: int) -> Tensor:
+        """The load-balancing loss of the recorded forwards' router logits (see `load_balancing_loss`)."""
+        masks = self.token_masks or [None]
+        if all(m is None for m in masks):
+            return load_balancing_loss(self.router_logits, num_experts, top_k)
+        # one forward's mask for each of its layers
+        per_layer = len(self.router_logits) // len(masks)
+        flat = [m for m in masks for _ in range(per_layer)]
+        joined = torch.cat([torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device) if m is None else m
+                            for m, logits in zip(flat, self.router_logits)])
+        return load_balancing_loss([torch.cat(self.router_logits)], num_experts, top_k, joined)
 
 
 class Experts(nn.Module):
@@ -382,9 +404,17 @@ class MoE(nn.Module):
         probs_ne = torch.softmax(logits_ne, dim=-1, dtype=torch.float32)
         top_p, top_i = torch.topk(probs_ne, self.top_k, dim=-1)
         log = self.routing
-        if log is not None and log.replay is not None:
-            replay = log.replay[self.layer_index].to(top_i.device)
-            top_i = torch.where(replay >= 0, replay, top_i)
+        imposed = None
+        if log is not None and log.given is not None:
+            given = log.given[self.layer_index].to(top_i.device)
+            covered = given[:, :1] >= 0
+            log.decisions = log.decisions + covered.sum() * self.top_k  # tensors: no device sync per layer
+            log.differing = log.differing + ((given[:, :, None] != top_i[:, None, :]).all(-1) & covered).sum()
+            imposed = given if log.impose_given else None
+        if imposed is None and log is not None and log.replay is not None:
+            imposed = log.replay[self.layer_index].to(top_i.device)
+        if imposed is not None:
+            top_i = torch.where(imposed >= 0, imposed, top_i)
             top_p = probs_ne.gather(-1, top_i)
         if self.norm_topk_prob:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
@@ -419,19 +449,44 @@ def load_balancing_loss(router_logits: list[Tensor], num_experts: int, top_k: in
     return num_experts * torch.sum((counts / rows) * (probs / rows))
 
 
+def _moe_blocks(model: Any) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)] if isinstance(model, nn.Module) else []
+
+
 @contextmanager
-def routing(model: nn.Module, *, keep_logits: bool = False, replay: Tensor | None = None) -> Iterator[Routing]:
+def routing(model: nn.Module, *, keep_logits: bool = False, replay: Tensor | None = None,
+            impose_given: bool = True) -> Iterator[Routing]:
     """Record (and with `replay`, impose) the routes of `model`'s mixture-of-experts layers in the forwards
-    run inside; nothing for a dense model."""
-    log = Routing(keep_logits=keep_logits, replay=replay)
-    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    run inside; nothing for a dense model. Nested, the inner log sees the inner forwards."""
+    log = Routing(keep_logits=keep_logits, replay=replay, impose_given=impose_given)
+    blocks = _moe_blocks(model)
+    before = [block.routing for block in blocks]
     for block in blocks:
         block.routing = log
     try:
         yield log
     finally:
-        for block in blocks:
-            block.routing = None
+        for block, previous in zip(blocks, before):
+            block.routing = previous
+
+
+@contextmanager
+def replaying(model: Any, given: Tensor | None, token_mask: Tensor | None) -> Iterator[None]:
+    """One forward of `model` with the routes `given` for its tokens (None: none; imposed, or compared
+    where the routing log open around it says so) and its real tokens declared (`token_mask` over its
+    flattened tokens, None: all real). Without a log open around it, `given` is imposed."""
+    blocks = _moe_blocks(model)
+    log = blocks[0].routing if blocks else None
+    if log is None:
+        with (routing(model, replay=given) if given is not None else nullcontext()):
+            yield
+        return
+    log.given = given
+    log.token_masks.append(token_mask)
+    try:
+        yield
+    finally:
+        log.given = None
 
 
 class DecoderLayer(nn.Module):

@@ -9,14 +9,14 @@ right-padded responses, bool masks).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from graphrl.executors.models.llama import Llama, LlamaCritic, PackedSequences
+from graphrl.executors.models.llama import Llama, LlamaCritic, PackedSequences, replaying, routing
 
 # ----------------------------------------------------------------------------------------------
 # Generation and teacher-forced scoring
@@ -36,6 +36,10 @@ class GenerationOutput:
     response_ids: Tensor  # int64 [B, R]
     response_mask: Tensor  # bool [B, R], True up to and including EOS
     logprobs: Tensor  # float32 [B, R], 0 where masked
+    # A mixture of experts' routes with `record_routes`: int64 [B, P + R, layers, k], the experts each prompt and
+    # response token was routed to as it went through the model; -1 for pads and the last response token (never
+    # fed back). None for a dense model or without `record_routes`.
+    routes: Tensor | None = None
 
 
 def _check_left_padded(prompt_mask_bp: Tensor) -> None:
@@ -83,6 +87,7 @@ def generate(
     uniforms: Tensor | None = None,
     eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
+    record_routes: bool = False,
 ) -> GenerationOutput:
     """Sample up to max_new_tokens per left-padded prompt [B, P] with a static KV cache.
 
@@ -115,7 +120,15 @@ def generate(
         [eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.int64, device=device
     )
 
-    hidden = model.hidden_states(prompt_ids, prompt_mask.to(torch.bool), kv_cache=cache)
+    routes_btlk = None
+    with _maybe_routing(model, record_routes) as log:
+        hidden = model.hidden_states(prompt_ids, prompt_mask.to(torch.bool), kv_cache=cache)
+    if log is not None and log.chosen:
+        num_moe, k = len(log.chosen), log.chosen[0].shape[-1]
+        routes_btlk = torch.full((batch_size, prompt_len + max_new_tokens, num_moe, k), -1, dtype=torch.int64,
+                                 device=device)
+        prefill = torch.stack(log.chosen, 1).view(batch_size, prompt_len, num_moe, k)
+        routes_btlk[:, :prompt_len] = torch.where(prompt_mask.to(torch.bool)[:, :, None, None], prefill, -1)
     logits_bv = model.logits(hidden[:, -1])
     for step in range(max_new_tokens):
         token_b = sample_tokens(logits_bv, temperature, top_p, generator, None if uniforms is None else uniforms[:, step])
@@ -134,9 +147,19 @@ def generate(
             break
         # The fed token is real only for rows that were live when it was sampled, so finished rows
         # leave pads in the cache that no real query attends to.
-        hidden = model.hidden_states(token_b[:, None], live_b[:, None], kv_cache=cache)
+        with _maybe_routing(model, routes_btlk is not None) as log:
+            hidden = model.hidden_states(token_b[:, None], live_b[:, None], kv_cache=cache)
+        if routes_btlk is not None and log is not None:
+            fed = torch.stack(log.chosen, 1)  # [B, layers, k]
+            routes_btlk[:, prompt_len + step] = torch.where(live_b[:, None, None], fed, -1)
         logits_bv = model.logits(hidden[:, -1])
-    return GenerationOutput(response_ids=response_ids, response_mask=response_mask, logprobs=logprobs)
+    return GenerationOutput(response_ids=response_ids, response_mask=response_mask, logprobs=logprobs,
+                            routes=routes_btlk)
+
+
+def _maybe_routing(model: nn.Module, record: bool) -> Any:
+    """`routing(model)` when routes are recorded, else a context that yields None."""
+    return routing(model) if record else nullcontext(None)
 
 
 def logprob_temperature_of(sampling_temperature: float) -> float:
@@ -172,6 +195,7 @@ def _response_hidden(
     response_mask: Tensor,
     *,
     pack: bool,
+    routes: Tensor | None = None,
 ) -> Tensor:
     """Hidden states [n, hidden] at the positions that predict the n real response tokens (response_mask's
     True entries, row by row): only those reach a head, whose vocabulary-sized work a masked token
@@ -183,6 +207,7 @@ def _response_hidden(
     before the response token in its sequence: the same token, at the same position.
     """
     _check_left_padded(prompt_mask)
+    full_prompt_len = prompt_ids.shape[1]
     if not pack:
         # Padded: only the columns some row uses (pads attend to nothing and advance no position, so
         # the result is the same); at least one response column, since a wrapped model's forward runs
@@ -193,15 +218,35 @@ def _response_hidden(
     input_ids = torch.cat((prompt_ids, response_ids), dim=1)
     mask = torch.cat((prompt_mask.to(torch.bool), response_mask.to(torch.bool)), dim=1)
     response_mask = response_mask.to(torch.bool)
+    if routes is not None:  # the same columns of the rollouts' routes, as the forward lays its tokens out
+        first = full_prompt_len - prompt_len
+        routes = routes[:, first:full_prompt_len + response_len]
+        routes = routes.reshape(-1, routes.shape[-1]) if not pack else routes[mask]
+    replay = None if routes is None else replay_of(routes, model.dims.experts_per_token)
     if not pack:
-        hidden = model.hidden_states(input_ids, mask)
+        with replaying(model, replay, mask.reshape(-1)):
+            hidden = model.hidden_states(input_ids, mask)
         return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len][response_mask]
     packed = PackedSequences.of(input_ids, mask)
-    hidden_th = model.packed_hidden_states(packed)
+    with replaying(model, replay, None):
+        hidden_th = model.packed_hidden_states(packed)
     lengths_b = mask.sum(1)
     # Each token's index in the packed row: its sequence's start plus its position within it.
     index_bt = (lengths_b.cumsum(0) - lengths_b)[:, None] + mask.long().cumsum(1) - 1
     return hidden_th[index_bt[:, prompt_len:][response_mask] - 1]
+
+
+def routes_of(routes_btlk: Tensor) -> Tensor:
+    """A generation's routes (`GenerationOutput.routes`, -1 for none) as rollouts carry them: int16
+    [B, T, layers * k] of expert + 1, so that 0, the padding every rollout field gets, means none."""
+    b, t = routes_btlk.shape[:2]
+    return (routes_btlk + 1).to(torch.int16).reshape(b, t, -1)
+
+
+def replay_of(routes_nm: Tensor, top_k: int) -> Tensor:
+    """Rollout routes of a forward's N tokens, [N, layers * k] (expert + 1), as `routing`'s replay:
+    int64 [layers, N, k], -1 for none."""
+    return (routes_nm.long() - 1).view(routes_nm.shape[0], -1, top_k).permute(1, 0, 2)
 
 
 def used_response_columns(response_mask: Tensor) -> int:
@@ -228,24 +273,25 @@ def _scatter_responses(values_n: Tensor, response_mask: Tensor) -> Tensor:
 
 def token_logprobs(
     model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
-    pack: bool = False,
+    pack: bool = False, routes: Tensor | None = None,
 ) -> Tensor:
     """Teacher-forced log pi(response token) [B, R] float32, differentiable, 0 where masked. `pack`: the
-    rows run as packed sequences (`PackedSequences`), with the same result."""
+    rows run as packed sequences (`PackedSequences`), with the same result; `routes` replayed (R3)."""
     logprobs, _ = _logprobs_and_maybe_entropy(
-        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=False, pack=pack
+        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=False, pack=pack, routes=routes
     )
     return logprobs
 
 
 def token_logprobs_and_entropy(
     model: Llama, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
-    pack: bool = False,
+    pack: bool = False, routes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(logprobs [B, R], entropy [B, R]) where entropy = -sum_v p_v log p_v of each predicting position;
-    0 where masked."""
+    0 where masked. `routes` (the rollouts' int16 [B, P + R, layers * k]): a mixture of experts replays
+    them (R3)."""
     logprobs, entropy = _logprobs_and_maybe_entropy(
-        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True, pack=pack
+        model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True, pack=pack, routes=routes
     )
     assert entropy is not None
     return logprobs, entropy
@@ -260,8 +306,10 @@ def _logprobs_and_maybe_entropy(
     *,
     with_entropy: bool,
     pack: bool,
+    routes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    hidden_nh = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, pack=pack)
+    hidden_nh = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, pack=pack,
+                                 routes=routes)
     logp_nv = torch.log_softmax(model.logits(hidden_nh), dim=-1)
     tokens_n = response_ids[response_mask.to(torch.bool)]
     logprobs_br = _scatter_responses(logp_nv.gather(-1, tokens_n[:, None]).squeeze(-1), response_mask)

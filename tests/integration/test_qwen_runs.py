@@ -49,3 +49,52 @@ def test_qwen2_generates_in_fp8_on_tp2_shards(tmp_path: Path) -> None:
                       "placement.roles.policy/generate.precision=fp8", "placement.roles.policy/generate.tp=2")
     assert "tp2x dp1 fp8]" in label, label
     assert len(rows) == STEPS and all(math.isfinite(r["loss"]) and 0 <= r["reward_mean"] <= 1 for r in rows)
+
+
+# -- mixture of experts --------------------------------------------------------------------------------
+
+MOE = Path(__file__).resolve().parents[2] / "examples" / "grpo_moe_tiny.yaml"
+
+
+def run_moe(out: Path, *sets: str) -> tuple[str, list[dict]]:
+    args = ["run", str(MOE), "--steps", str(STEPS), "--out", str(out), "-q"]
+    for s in sets:
+        args += ["--set", s]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()[0], [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_moe_example_shares_experts_over_two_ranks_and_reports_its_routing(tmp_path: Path) -> None:
+    """The example as shipped (bf16, experts shared by the generator's two ranks, R3): every step reports
+    the load-balancing loss (about top-k = 2 when balanced) and the router mismatch (a share)."""
+    label, rows = run_moe(tmp_path / "moe")
+    assert "gen[tp2x" in label and "fsdp2" in label, label
+    assert all(1.0 <= r["router_aux_loss"] <= 4.0 and 0.0 <= r["router_mismatch"] <= 1.0 for r in rows)
+
+
+def test_replayed_routes_cross_ranks_and_train_as_on_one_rank(tmp_path: Path) -> None:
+    """R3 with the generator on ranks 0-1 (experts shared out) and the trainer on ranks 2-3: the routes
+    travel with the rollouts, and in float32 the run trains as the single-rank run does (without the
+    load-balancing loss, which each data-parallel rank takes over its own tokens)."""
+    fp32 = "models.policy.dtype=float32", "algorithm.router_aux_loss_coef=0"
+    _, single = run_moe(tmp_path / "single", *fp32, "cluster=local-cpu-1", "placement.roles.policy/generate.tp=1",
+                        "placement.roles.policy.sharding=none")
+    label, split = run_moe(tmp_path / "split", *fp32, "cluster=local-cpu-4", "placement.strategy=disaggregated",
+                           "placement.roles.policy/generate.devices=0-1", "placement.roles.policy.devices=2-3")
+    assert "disaggregated" in label, label
+    assert [r["reward_mean"] for r in split] == [r["reward_mean"] for r in single]
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in single], rel=LOSS_REL, abs=0)
+    assert all(r["router_mismatch"] == 0.0 for r in split)  # float32 both sides: the same routes
+
+
+def test_r2_replays_the_first_pass_routes_in_later_passes(tmp_path: Path) -> None:
+    _, rows = run_moe(tmp_path / "r2", "algorithm.router_replay=R2", "algorithm.updates_per_step=2",
+                      "cluster=local-cpu-1", "placement.roles.policy/generate.tp=1", "placement.roles.policy.sharding=none")
+    assert len(rows) == STEPS and all(math.isfinite(r["loss"]) and "router_aux_loss" in r for r in rows)
+
+
+def test_routing_replay_on_a_dense_model_is_refused_by_validate(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["validate", str(EXAMPLE), "--set", "algorithm.router_replay=R3"])
+    assert result.exit_code == 2
+    assert "algorithm.router_replay" in result.stderr and "dense model" in result.stderr

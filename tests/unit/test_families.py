@@ -263,3 +263,35 @@ def test_replayed_routes_are_used_and_the_router_still_gets_gradients() -> None:
     assert not torch.allclose(changed, own)
     changed.sum().backward()
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_generation_records_each_tokens_routes_and_scoring_replays_them() -> None:
+    """The routes a generation records are those of the forwards that fed each token (prompt and response,
+    -1 for pads and the last, never fed, response token); a teacher-forced scoring that replays them routes
+    every real token as the generator did, even with weights moved enough to route otherwise."""
+    from graphrl.executors.models.llama import routing
+    from graphrl.executors.models.sampling import replay_of, routes_of, token_logprobs
+
+    torch.manual_seed(0)
+    model = Llama(MODEL_PRESETS["tiny-digits-moe"])
+    ids = torch.randint(1, 16, (3, 6))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :2] = False
+    out = generate(model, ids, mask, 5, temperature=1.0, generator=torch.Generator().manual_seed(1), eos_id=None,
+                   record_routes=True)
+    assert out.routes is not None and out.routes.shape == (3, 11, 2, 2)
+    assert (out.routes[0, :2] == -1).all() and (out.routes[:, -1] == -1).all() and (out.routes[1, :10] >= 0).all()
+    routes = routes_of(out.routes)  # as the rollouts carry them
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    with torch.no_grad(), routing(model) as own:
+        token_logprobs(model, ids, mask, out.response_ids, out.response_mask)
+    with torch.no_grad(), routing(model, impose_given=True) as log:
+        token_logprobs(model, ids, mask, out.response_ids, out.response_mask, routes=routes)
+    given = replay_of(routes.reshape(-1, routes.shape[-1]), 2)
+    chosen, theirs = torch.stack(log.chosen), torch.stack(own.chosen)
+    real = given[0, :, 0] >= 0
+    assert torch.equal(chosen[:, real], given[:, real])  # every fed real token routed as the generator did
+    assert not torch.equal(theirs[:, real], given[:, real])  # which its own router no longer would
+    assert 0 < float(log.differing) / float(log.decisions) < 1
