@@ -342,6 +342,11 @@ def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target:
     precision the hardware computes in (once the hardware is known)."""
     if hint.engine is not None:
         engine = hint.engine
+        if engine == "vllm" and role.dims.is_moe:
+            raise PlacementError(f"engine 'vllm' does not run {role.model!r}, a mixture of experts, here: a reload of "
+                                 "new weights into vLLM's experts is not verified (its CPU build's reload leaves them "
+                                 "wrong)", path=path + ("engine",), fix="use engine: native (it shares the experts "
+                                 "out over its tp group and records the routes routing replay needs)")
         if target == "run" and not engine_available(engine):
             raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
                                  path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")

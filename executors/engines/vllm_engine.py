@@ -239,8 +239,11 @@ class VllmEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> float:
         """Reload named full tensors (checkpoint names) into the running engine; seconds it took."""
+        from graphrl.executors.models.hf_checkpoint import hub_tensors
+
         started = time.perf_counter()
-        named = [(name, t.detach()) for name, t in weights]
+        # checkpoint names: a mixture of experts' stacked experts one tensor per expert
+        named = [(name, t.detach()) for name, t in hub_tensors(weights, self.module.dims)]  # type: ignore[arg-type]
         try:
             self.llm.collective_rpc(_reload, args=(named,))
             self.llm.reset_prefix_cache()

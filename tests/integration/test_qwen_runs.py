@@ -98,3 +98,9 @@ def test_routing_replay_on_a_dense_model_is_refused_by_validate(tmp_path: Path) 
     result = CliRunner().invoke(main, ["validate", str(EXAMPLE), "--set", "algorithm.router_replay=R3"])
     assert result.exit_code == 2
     assert "algorithm.router_replay" in result.stderr and "dense model" in result.stderr
+
+
+def test_vllm_for_a_mixture_of_experts_is_refused_by_name() -> None:
+    result = CliRunner().invoke(main, ["validate", str(MOE), "--set", "placement.roles.policy/generate.engine=vllm"])
+    assert result.exit_code == 2
+    assert "placement.roles.policy/generate.engine" in result.stderr and "engine: native" in result.stderr

@@ -317,3 +317,4 @@ def test_a_qwen_engine_samples_what_the_native_model_does_and_reloads(family: st
             engine.weights_updated()
     finally:
         engine.close()
+
