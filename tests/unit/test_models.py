@@ -91,10 +91,12 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_gguf(path, hf) -> None:  # noqa: ANN001
+def _write_gguf(path, hf, arch: str = "llama") -> None:  # noqa: ANN001
+    """A GGUF file of `hf` as llama.cpp's converter writes it for `arch` (llama: q/k rows interleaved for its
+    rotary layout; qwen2: rows as they are, with the q/k/v biases)."""
     gguf = pytest.importorskip("gguf")
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -128,11 +130,11 @@ def _write_gguf(path, hf) -> None:  # noqa: ANN001
             gguf_name = "output.weight"
         else:
             _, _, layer, *rest = name.split(".")
-            module = ".".join(rest[:-1])
-            gguf_name = f"blk.{layer}.{names[module]}.weight"
-            if module == "self_attn.q_proj":
+            module, kind = ".".join(rest[:-1]), rest[-1]
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+            if module == "self_attn.q_proj" and arch == "llama":
                 array = _llama_cpp_permute(array, cfg.num_attention_heads)
-            elif module == "self_attn.k_proj":
+            elif module == "self_attn.k_proj" and arch == "llama":
                 array = _llama_cpp_permute(array, cfg.num_key_value_heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
@@ -152,6 +154,30 @@ def test_gguf_file_written_by_gguf_loads(tmp_path) -> None:
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-4, rtol=0)
+
+
+def test_a_qwen2_gguf_file_loads_as_transformers_reads_it(tmp_path) -> None:
+    """Released Qwen2/2.5 GGUF files have architecture qwen2: biases on q/k/v, rows unpermuted."""
+    pytest.importorskip("accelerate")
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape) * 0.15 + (0.0 if param.dim() == 2 else 1.0))
+    path = tmp_path / "qwen.gguf"
+    _write_gguf(path, hf, arch="qwen2")
+    ours, _ = from_pretrained(path)
+    assert ours.dims.family == "qwen2" and ours.dims.qkv_bias
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="qwen.gguf", dtype=torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-4, rtol=0)  # the file is right
+        torch.testing.assert_close(ours(ids), want, atol=1e-4, rtol=0)
 
 
 def test_missing_checkpoint_is_a_user_error(tmp_path) -> None:
