@@ -1,7 +1,8 @@
 """The Qwen families run every way a Llama runs (`graphrl run`, gloo ranks on CPU): a Qwen3 trained by
 FSDP2 x tp=2 beside a tp=2 generator (DDMA into its shards, per-head q/k norms on each rank's heads)
-trains exactly as on one rank, and a Qwen2 (q/k/v biases) generates in fp8 on tp=2 shards. Resuming a
-Qwen3 run is test_resume's case `qwen3_fsdp2_x_tp2`; the model against `transformers`, test_families.
+trains exactly as on one rank, and a Qwen2 (q/k/v biases) generates in fp8 on tp=2 shards (a resume reads
+and writes the model's parameters by name whatever its family: test_resume's cases); the model against
+`transformers`, test_families.
 
 Equal losses: as in test_every_layout_runs, a layout changes only the order of float32 sums.
 """

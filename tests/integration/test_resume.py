@@ -42,11 +42,6 @@ CASES = {
     "fsdp2_x_tp2": ("grpo_tiny.yaml", ["cluster=local-cpu-4", "placement.strategy=colocated",
                                        "placement.roles.policy.tp=2", "placement.roles.policy.fsdp=2",
                                        "placement.roles.policy.sharding=fsdp"], 0.0),
-    # a Qwen3 (per-head q/k norms, heads of their own width) on the same layout, with a tp=2 generator
-    "qwen3_fsdp2_x_tp2": ("grpo_tiny.yaml", ["models.policy.preset=tiny-digits-qwen3", "cluster=local-cpu-4",
-                                             "placement.strategy=colocated", "placement.roles.policy.tp=2",
-                                             "placement.roles.policy.fsdp=2", "placement.roles.policy.sharding=fsdp",
-                                             "placement.roles.policy/generate.tp=2"], 0.0),
     # ZeRO-1: each rank saves and reloads only its share of the optimizer state
     "zero1": ("grpo_tiny.yaml", ["placement.strategy=colocated", "placement.roles.policy.sharding=zero1"], 0.0),
     # critic and policy trained by DDP over ranks 1-3, reference and reward model frozen

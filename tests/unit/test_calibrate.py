@@ -34,6 +34,7 @@ from graphrl.schemas.model import MODEL_PRESETS
 def test_calibration_file_is_used_by_cpu_local(tmp_path, monkeypatch):
     # The general shapes and probe model shrunk to keep the test short; what is measured for them is as a
     # full calibration measures it.
+    monkeypatch.setattr(microbench, "MATMUL_ROWS", (1, 64, 4096))  # the ends and the middle of the row range
     monkeypatch.setattr(microbench, "GENERAL_WIDTHS", (64,))
     monkeypatch.setattr(microbench, "GENERAL_HEADS", ((64, 2048),))
     monkeypatch.setattr(calibration, "GENERAL_VOCAB", 2048)
