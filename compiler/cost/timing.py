@@ -244,6 +244,11 @@ def elementwise_seconds(hw: HardwareSpec, num_bytes: float) -> float:
 # One model pass on one tensor-parallel rank
 
 
+# Experts shared out over ranks do not receive equal shares of the tokens; a step waits for the busiest rank.
+# Its share over the mean is charged as the capacity factor Switch Transformer and GShard provision per
+# expert (1.25: Fedus et al. 2021, Lepikhin et al. 2020).
+EXPERT_LOAD_IMBALANCE = 1.25
+
 # The block linears whose output rows are KV heads.
 KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
 
@@ -258,9 +263,11 @@ def layer_matmul_shapes(dims: ModelDims, tp: int) -> tuple[tuple[int, int], ...]
         shape = module.shape(dims)
         if module.tp is TpStyle.EXPERT:
             # A token passes through top-k of the experts, which a tp group shares out (ep = tp): per token
-            # and rank, the FLOPs of top_k / tp experts' matmuls.
+            # and rank, the FLOPs of top_k / tp experts' matmuls, on the busiest rank of the group
+            # (`EXPERT_LOAD_IMBALANCE` times the mean).
             _, n, k = shape
-            shapes.append((k, math.ceil(n * dims.experts_per_token / tp)))
+            imbalance = EXPERT_LOAD_IMBALANCE if tp > 1 else 1.0
+            shapes.append((k, math.ceil(n * dims.experts_per_token / tp * imbalance)))
             continue
         if len(shape) != 2:
             continue

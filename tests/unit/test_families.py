@@ -295,3 +295,20 @@ def test_generation_records_each_tokens_routes_and_scoring_replays_them() -> Non
     assert torch.equal(chosen[:, real], given[:, real])  # every fed real token routed as the generator did
     assert not torch.equal(theirs[:, real], given[:, real])  # which its own router no longer would
     assert 0 < float(log.differing) / float(log.decisions) < 1
+
+
+def test_the_cost_model_charges_active_experts_their_memory_and_the_busiest_rank() -> None:
+    """Memory counts every expert, FLOPs the top-k a token is routed to; a tp group that shares the experts
+    out (ep = tp) waits for its busiest rank, charged at the capacity factor."""
+    from graphrl.compiler.cost.model import active_param_count, param_count
+    from graphrl.compiler.cost.timing import EXPERT_LOAD_IMBALANCE, layer_matmul_shapes
+
+    dims = MODEL_PRESETS["qwen3-30b-a3b"]
+    assert 30e9 < param_count(dims) < 31e9 and 3.2e9 < active_param_count(dims) < 3.5e9  # "30B-A3B"
+    one, two = layer_matmul_shapes(dims, 1), layer_matmul_shapes(dims, 2)
+    experts = [(2048, 768 * 8), (2048, 768 * 8), (768, 2048 * 8)]  # gate, up, down of top-8 experts: (k, n * 8)
+    assert [s for s in one if s in experts] == experts
+    shared_out = [(k, round(n / 2 * EXPERT_LOAD_IMBALANCE)) for k, n in experts]  # half the experts, the busier rank
+    assert [s for s in two if s in shared_out] == shared_out and not any(s in experts for s in two)
+    dense = MODEL_PRESETS["qwen3-8b"]
+    assert active_param_count(dense) == param_count(dense)
