@@ -25,8 +25,8 @@ STEPS = 3
 LOSS_REL = 1e-5
 
 
-def run(out: Path, *sets: str) -> tuple[str, list[dict]]:
-    args = ["run", str(EXAMPLE), "--steps", str(STEPS), "--out", str(out), "-q"]
+def run(out: Path, *sets: str, example: Path = EXAMPLE) -> tuple[str, list[dict]]:
+    args = ["run", str(example), "--steps", str(STEPS), "--out", str(out), "-q"]
     for s in sets:
         args += ["--set", s]
     result = CliRunner().invoke(main, args)
@@ -58,12 +58,7 @@ MOE = Path(__file__).resolve().parents[2] / "examples" / "grpo_moe_tiny.yaml"
 
 
 def run_moe(out: Path, *sets: str) -> tuple[str, list[dict]]:
-    args = ["run", str(MOE), "--steps", str(STEPS), "--out", str(out), "-q"]
-    for s in sets:
-        args += ["--set", s]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    return result.output.splitlines()[0], [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return run(out, *sets, example=MOE)
 
 
 def test_moe_example_shares_experts_over_two_ranks_and_reports_its_routing(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from graphrl.executors.models.sampling import generate
 from graphrl.models import from_pretrained, save_pretrained
 from graphrl.schemas.model import MODEL_PRESETS, ModelDims
 from graphrl.schemas.sharding import llama_params
+from test_models import assert_greedy_as_transformers
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,19 +80,7 @@ def test_greedy_continuation_matches_transformers_with_left_padding(tmp_path, fa
     hf = hf_model(family, tie=family == "qwen2")
     hf.save_pretrained(tmp_path)
     ours, _ = from_pretrained(tmp_path)
-    lengths = [3, 11, 7]
-    prompt_len, new_tokens = max(lengths), 24
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.zeros(len(lengths), prompt_len, dtype=torch.int64)
-    mask = torch.zeros(len(lengths), prompt_len, dtype=torch.bool)
-    for row, n in enumerate(lengths):
-        ids[row, prompt_len - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
-        mask[row, prompt_len - n:] = True
-    with torch.no_grad():
-        want = hf.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new_tokens, do_sample=False,
-                           min_new_tokens=new_tokens, pad_token_id=0)[:, prompt_len:]
-    got = generate(ours, ids, mask, new_tokens, temperature=0.0, eos_id=None, pad_id=0)
-    assert torch.equal(got.response_ids, want)
+    assert_greedy_as_transformers(hf, ours, VOCAB)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -251,7 +240,7 @@ def test_replayed_routes_are_used_and_the_router_still_gets_gradients() -> None:
     with torch.no_grad(), routing(model) as first:
         own = model(ids)
     recorded = torch.stack(first.chosen)  # [layers, tokens, k]
-    with torch.no_grad(), routing(model, replay=recorded) as again:
+    with torch.no_grad(), routing(model, replay=recorded):
         same = model(ids)
     torch.testing.assert_close(same, own, rtol=0, atol=0)
     other = (recorded + 1) % 4  # every token sent to other experts

@@ -55,23 +55,33 @@ def test_logits_match_transformers(tmp_path, tie: bool, llama3_rope: bool, shard
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+def left_padded_prompts(lengths: list[int], vocab: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of `lengths` tokens, left-padded with 0 to the longest: (ids, mask)."""
+    prompt_len = max(lengths)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), prompt_len, dtype=torch.int64)
+    mask = torch.zeros(len(lengths), prompt_len, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        ids[row, prompt_len - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[row, prompt_len - n:] = True
+    return ids, mask
+
+
+def assert_greedy_as_transformers(hf, ours, vocab: int, new_tokens: int = 24) -> None:  # noqa: ANN001
+    """`ours` continues left-padded prompts greedily with the tokens `hf.generate` picks."""
+    ids, mask = left_padded_prompts([3, 11, 7], vocab)
+    with torch.no_grad():
+        expected = hf.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new_tokens, do_sample=False,
+                               min_new_tokens=new_tokens, pad_token_id=0)[:, ids.shape[1]:]
+    out = generate(ours, ids, mask, new_tokens, temperature=0.0, eos_id=None, pad_id=0)
+    assert torch.equal(out.response_ids, expected)
+
+
 def test_greedy_generation_matches_transformers_with_left_padding(tmp_path) -> None:
     hf = _hf_model(tie=True, llama3_rope=True)
     hf.save_pretrained(tmp_path)
     ours, _ = from_pretrained(tmp_path)
-    lengths = [3, 11, 7]
-    prompt_len, new_tokens = max(lengths), 24
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.zeros(len(lengths), prompt_len, dtype=torch.int64)
-    mask = torch.zeros(len(lengths), prompt_len, dtype=torch.bool)
-    for row, n in enumerate(lengths):
-        ids[row, prompt_len - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
-        mask[row, prompt_len - n:] = True
-    with torch.no_grad():
-        expected = hf.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new_tokens, do_sample=False,
-                               min_new_tokens=new_tokens, pad_token_id=0)[:, prompt_len:]
-    out = generate(ours, ids, mask, new_tokens, temperature=0.0, eos_id=None, pad_id=0)
-    assert torch.equal(out.response_ids, expected)
+    assert_greedy_as_transformers(hf, ours, VOCAB)
 
 
 def test_saved_policy_loads_back_into_transformers(tmp_path) -> None:
