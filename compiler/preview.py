@@ -128,12 +128,11 @@ def expert_placement(plan: Plan) -> list[str]:
         gen_model = next((p.model for p in plan.chosen.placements if p.kind == "generate"), None)
         if name == gen_model and plan.workload is not None:
             tokens = plan.workload.responses * (plan.workload.prompt_len + plan.workload.mean_response_tokens)
-            line += (f"; the generator's routes ride with the rollouts: {human_bytes(tokens * route_width(dims) * ROUTE_BYTES)} "
-                     f"per step ({dims.num_layers} x {dims.experts_per_token} experts per token), replayed in training "
-                     f"with router_replay {plan.job.algorithm.router_replay}" if plan.job.algorithm.router_replay == "R3"
-                     else f"; the generator's routes ride with the rollouts: "
-                          f"{human_bytes(tokens * route_width(dims) * ROUTE_BYTES)} per step, compared with the "
-                          "trainer's (router_mismatch)")
+            use = ("replayed in training with router_replay R3" if plan.job.algorithm.router_replay == "R3"
+                   else "compared with the trainer's (router_mismatch)")
+            line += (f"; the generator's routes ride with the rollouts: "
+                     f"{human_bytes(tokens * route_width(dims) * ROUTE_BYTES)} per step "
+                     f"({dims.num_layers} x {dims.experts_per_token} experts per token), {use}")
         lines.append(line)
     return lines
 

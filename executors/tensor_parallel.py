@@ -139,10 +139,10 @@ class TensorParallelLlama(Llama):
         v_lo, v_hi = chunk_bounds(dims.vocab_size, t, r)
         i_lo, i_hi = chunk_bounds(dims.intermediate_size, t, r)
         self.model.embed_tokens = VocabParallelEmbedding(v_lo, v_hi - v_lo, h, tp, **factory)
+        bias = bool(dims.qkv_bias)  # a bias is cut as its projection's rows; q/k norms stay whole
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.num_heads, attn.num_kv_heads = heads, kv_heads
-            bias = bool(dims.qkv_bias)  # a bias is cut as its projection's rows; q/k norms stay whole
             attn.q_proj = nn.Linear(h, heads * hd, bias=bias, **factory)
             attn.k_proj = nn.Linear(h, kv_heads * hd, bias=bias, **factory)
             attn.v_proj = nn.Linear(h, kv_heads * hd, bias=bias, **factory)

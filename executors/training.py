@@ -193,15 +193,14 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                         loss, part_metrics = loss_fns.critic_objective(values, part, advantages["returns"][rows],
                                                                        b["response_mask"], weights, a)
                     else:
-                        # The generator's routes: replayed under R3, compared with the router's own otherwise
-                        # (the forward's own choice stays; only a replay of -1 everywhere leaves it alone).
-                        given = routes[rows] if routes is not None else None
-                        measure = given is not None and pass_index == 0 and s == 0 and same_weights
+                        # The generator's routes: imposed under R3; on the first step on the generator's
+                        # weights, at least compared with the router's own (the routing mismatch).
+                        first = pass_index == 0 and s == 0 and same_weights
+                        given = routes[rows] if routes is not None and (a.router_replay == "R3" or first) else None
                         with sampling_temperature(role.module, temperature), \
                                 _routing(role.module, moe, own_routes.get((s, k)), a.router_replay == "R3") as log:
-                            logprobs, entropy = module(*(b[key] for key in ROW_FIELDS),
-                                                       routes=given if a.router_replay == "R3" or measure else None)
-                        if pass_index == 0 and s == 0 and same_weights:
+                            logprobs, entropy = module(*(b[key] for key in ROW_FIELDS), routes=given)
+                        if first:
                             first_step.append(logprobs.detach())
                         batch = loss_fns.PolicyBatch(
                             logprobs, entropy, part, rollouts["behaviour_logprobs"][rows],
@@ -209,9 +208,8 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                             weights, advantages["kl"][rows] if "kl" in advantages else None)
                         loss, part_metrics = loss_fns.policy_objective(batch, loss_name, a)
                         if log is not None:
-                            loss, part_metrics = router.account(log, loss, part_metrics, dims, a, measure,
-                                                                share=(rows.stop - rows.start) /
-                                                                (opt_step.rows.stop - opt_step.rows.start))
+                            loss = router.account(log, loss, dims, a, measured=first and given is not None,
+                                                  share=(rows.stop - rows.start) / (opt_step.rows.stop - opt_step.rows.start))
                             if a.router_replay == "R2" and pass_index == 0:
                                 own_routes[(s, k)] = torch.stack(log.chosen)
                     # DDP / FSDP2 average gradients over the data-parallel ranks; each rank's loss is its share.
@@ -255,8 +253,10 @@ class RouterStats:
     differing: float = 0.0
     decisions: float = 0.0
 
-    def account(self, log: Routing, loss: Tensor, metrics: dict[str, float], dims: ModelDims, a: AlgorithmSpec,
-                measured: bool, share: float) -> tuple[Tensor, dict[str, float]]:
+    def account(self, log: Routing, loss: Tensor, dims: ModelDims, a: AlgorithmSpec, *, measured: bool,
+                share: float) -> Tensor:
+        """`loss` with a micro-batch's load-balancing loss added (`share`: its part of the optimizer step's
+        rows); its router figures counted (the mismatch where `measured`)."""
         aux = log.router_loss(dims.num_experts, dims.experts_per_token)
         self.aux += float(aux.detach())
         self.aux_parts += 1
@@ -264,7 +264,7 @@ class RouterStats:
             self.differing += float(log.differing)
             self.decisions += float(log.decisions)
         coef = dims.router_aux_loss_coef if a.router_aux_loss_coef is None else a.router_aux_loss_coef
-        return (loss + coef * share * aux if coef else loss), metrics
+        return loss + coef * share * aux if coef else loss
 
     def metrics(self) -> dict[str, float]:
         out = {}

@@ -21,6 +21,7 @@ from graphrl.schemas.job import (
     TrainNode,
     ValueNode,
 )
+from graphrl.schemas.model import ModelDims
 from graphrl.schemas.registry import Registry
 
 # The batches that flow through an RL step. B prompts of P tokens become N = B * G responses of R tokens.
@@ -45,9 +46,9 @@ ROUTES_FIELD = "routes"
 ROUTE_BYTES = 2
 
 
-def route_width(dims: object) -> int:
+def route_width(dims: ModelDims) -> int:
     """Route entries per token of a model's rollouts: layers x top-k for a mixture of experts, else 0."""
-    return getattr(dims, "num_layers", 0) * getattr(dims, "experts_per_token", 0) if getattr(dims, "is_moe", False) else 0
+    return dims.num_layers * dims.experts_per_token if dims.is_moe else 0
 
 
 def rollout_bytes_per_response(prompt_len: int, response_len: int, routes: int = 0) -> int:

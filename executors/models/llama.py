@@ -55,7 +55,11 @@ class RMSNorm(nn.Module):
         input_dtype = x.dtype
         x_f32 = x.float()
         x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_f32.to(input_dtype)
+        return self.scale() * x_f32.to(input_dtype)
+
+    def scale(self) -> Tensor:
+        """The weight the normalized features are multiplied by."""
+        return self.weight
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
@@ -161,12 +165,8 @@ class HeadNorm(RMSNorm):
 
     grad_group: Any = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        input_dtype = x.dtype
-        x_f32 = x.float()
-        x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight if self.grad_group is None else _SumGradOver.apply(self.weight, self.grad_group)
-        return weight * x_f32.to(input_dtype)
+    def scale(self) -> Tensor:
+        return self.weight if self.grad_group is None else _SumGradOver.apply(self.weight, self.grad_group)
 
 
 class Attention(nn.Module):
@@ -384,9 +384,10 @@ class MoE(nn.Module):
     expert scaled by a sigmoid gate. On a tensor-parallel generator (`reduce` set) each rank holds some of
     the experts and its slice of the shared expert; their partial sums are all-reduced once."""
 
-    def __init__(self, dims: ModelDims, **factory: Any) -> None:
+    def __init__(self, dims: ModelDims, layer_index: int, **factory: Any) -> None:
         super().__init__()
-        self.num_experts, self.top_k, self.norm_topk_prob = dims.num_experts, dims.experts_per_token, dims.norm_topk_prob
+        self.top_k, self.norm_topk_prob = dims.experts_per_token, dims.norm_topk_prob
+        self.layer_index = layer_index  # its row of a replay (every layer of an MoE model routes)
         self.gate = nn.Linear(dims.hidden_size, dims.num_experts, bias=False, **factory)
         self.experts = Experts(dims.num_experts, dims.hidden_size, dims.expert_intermediate_size, **factory)
         shared = dims.shared_expert_intermediate_size
@@ -394,7 +395,6 @@ class MoE(nn.Module):
         self.shared_expert_gate: nn.Linear | None = (nn.Linear(dims.hidden_size, 1, bias=False, **factory)
                                                      if shared else None)
         self.routing: Routing | None = None  # set by `routing(model)` for the forwards inside it
-        self.layer_index = 0  # among the model's MoE layers, set by the trunk
         self.reduce: Any = None  # a tensor-parallel group's all-reduce
 
     def forward(self, x: Tensor) -> Tensor:
@@ -439,9 +439,10 @@ def load_balancing_loss(router_logits: list[Tensor], num_experts: int, top_k: in
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
+    weight = (torch.ones(router_logits[0].shape[0], device=device) if token_mask is None
+              else token_mask.reshape(-1).float())
     for logits in router_logits:
         p = torch.softmax(logits.float(), dim=-1)
-        weight = torch.ones(p.shape[0], device=device) if token_mask is None else token_mask.reshape(-1).float()
         chosen = torch.topk(p, top_k, dim=-1).indices
         counts = counts.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
         probs = probs + (p * weight[:, None]).sum(0)
@@ -450,7 +451,11 @@ def load_balancing_loss(router_logits: list[Tensor], num_experts: int, top_k: in
 
 
 def _moe_blocks(model: Any) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)] if isinstance(model, nn.Module) else []
+    """The model's mixture-of-experts blocks; a dense model's dims say it has none, without a walk of its
+    modules (every scoring forward asks)."""
+    if not isinstance(model, nn.Module) or not getattr(getattr(model, "dims", None), "is_moe", True):
+        return []
+    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 @contextmanager
@@ -495,9 +500,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, dims: ModelDims, layer_index: int, **factory: Any) -> None:
         super().__init__()
         self.self_attn = Attention(dims, layer_index, **factory)
-        self.mlp: MLP | MoE = MoE(dims, **factory) if dims.is_moe else MLP(dims, **factory)
-        if isinstance(self.mlp, MoE):
-            self.mlp.layer_index = layer_index
+        self.mlp: MLP | MoE = MoE(dims, layer_index, **factory) if dims.is_moe else MLP(dims, **factory)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, **factory)
 

@@ -120,39 +120,41 @@ def generate(
         [eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.int64, device=device
     )
 
-    routes_btlk = None
-    with _maybe_routing(model, record_routes) as log:
+    with _maybe_routing(model, record_routes) as log:  # one log for the whole generation
         hidden = model.hidden_states(prompt_ids, prompt_mask.to(torch.bool), kv_cache=cache)
-    if log is not None and log.chosen:
-        num_moe, k = len(log.chosen), log.chosen[0].shape[-1]
-        routes_btlk = torch.full((batch_size, prompt_len + max_new_tokens, num_moe, k), -1, dtype=torch.int64,
-                                 device=device)
-        prefill = torch.stack(log.chosen, 1).view(batch_size, prompt_len, num_moe, k)
-        routes_btlk[:, :prompt_len] = torch.where(prompt_mask.to(torch.bool)[:, :, None, None], prefill, -1)
-    logits_bv = model.logits(hidden[:, -1])
-    for step in range(max_new_tokens):
-        token_b = sample_tokens(logits_bv, temperature, top_p, generator, None if uniforms is None else uniforms[:, step])
-        live_b = ~done_b
-        token_b = torch.where(live_b, token_b, pad_id)
-        logp_bv = torch.log_softmax(logits_bv / logprob_temperature, dim=-1)
-        token_logprob_b = logp_bv.gather(-1, token_b[:, None]).squeeze(-1)
-        response_ids[:, step] = token_b
-        response_mask[:, step] = live_b
-        logprobs[:, step] = torch.where(live_b, token_logprob_b, 0.0)
-        if stop_ids is not None:
-            done_b = done_b | torch.isin(token_b, stop_ids)
-            if bool(done_b.all()):
-                break
-        if step + 1 == max_new_tokens:
-            break
-        # The fed token is real only for rows that were live when it was sampled, so finished rows
-        # leave pads in the cache that no real query attends to.
-        with _maybe_routing(model, routes_btlk is not None) as log:
-            hidden = model.hidden_states(token_b[:, None], live_b[:, None], kv_cache=cache)
-        if routes_btlk is not None and log is not None:
-            fed = torch.stack(log.chosen, 1)  # [B, layers, k]
-            routes_btlk[:, prompt_len + step] = torch.where(live_b[:, None, None], fed, -1)
+        routes_btlk = None
+        if log is not None and log.chosen:
+            num_moe, k = len(log.chosen), log.chosen[0].shape[-1]
+            routes_btlk = torch.full((batch_size, prompt_len + max_new_tokens, num_moe, k), -1, dtype=torch.int64,
+                                     device=device)
+            prefill = torch.stack(log.chosen, 1).view(batch_size, prompt_len, num_moe, k)
+            routes_btlk[:, :prompt_len] = torch.where(prompt_mask.to(torch.bool)[:, :, None, None], prefill, -1)
+            log.chosen.clear()
         logits_bv = model.logits(hidden[:, -1])
+        for step in range(max_new_tokens):
+            token_b = sample_tokens(logits_bv, temperature, top_p, generator,
+                                    None if uniforms is None else uniforms[:, step])
+            live_b = ~done_b
+            token_b = torch.where(live_b, token_b, pad_id)
+            logp_bv = torch.log_softmax(logits_bv / logprob_temperature, dim=-1)
+            token_logprob_b = logp_bv.gather(-1, token_b[:, None]).squeeze(-1)
+            response_ids[:, step] = token_b
+            response_mask[:, step] = live_b
+            logprobs[:, step] = torch.where(live_b, token_logprob_b, 0.0)
+            if stop_ids is not None:
+                done_b = done_b | torch.isin(token_b, stop_ids)
+                if bool(done_b.all()):
+                    break
+            if step + 1 == max_new_tokens:
+                break
+            # The fed token is real only for rows that were live when it was sampled, so finished rows
+            # leave pads in the cache that no real query attends to.
+            hidden = model.hidden_states(token_b[:, None], live_b[:, None], kv_cache=cache)
+            if routes_btlk is not None and log is not None:
+                fed = torch.stack(log.chosen, 1)  # [B, layers, k]: this forward's routes
+                routes_btlk[:, prompt_len + step] = torch.where(live_b[:, None, None], fed, -1)
+                log.chosen.clear()
+            logits_bv = model.logits(hidden[:, -1])
     return GenerationOutput(response_ids=response_ids, response_mask=response_mask, logprobs=logprobs,
                             routes=routes_btlk)
 
