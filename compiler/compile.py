@@ -9,7 +9,7 @@ from graphrl.ir import build_graph
 from graphrl.schemas.capabilities import Target
 from graphrl.schemas.cluster import ClusterSpec
 from graphrl.schemas.job import JobSpec
-from graphrl.schemas.plan import Plan, WorkloadSummary
+from graphrl.schemas.plan import EpisodeSummary, Plan, WorkloadSummary
 
 from graphrl.compiler.bind import run_bindings
 from graphrl.compiler.hardware import resolve_hardware
@@ -47,7 +47,16 @@ def summarize(w: Workload) -> WorkloadSummary:
         responses=w.responses, prompt_len=w.prompt_len, max_new_tokens=w.response_len, lengths=lengths.source,
         mean_response_tokens=lengths.mean, p90_response_tokens=lengths.quantile(0.9),
         longest_response_tokens=lengths.longest(w.responses), optimizer_steps=w.optimizer_steps,
-        passes=w.updates_per_step, packed=w.pack)
+        passes=w.updates_per_step, packed=w.pack, episodes=_episodes(w))
+
+
+def _episodes(w: Workload) -> EpisodeSummary | None:
+    e = w.episode
+    if e is None:
+        return None
+    model, env = e.tokens(w.response_len)
+    return EpisodeSummary(turns=e.turns, turn_tokens=e.turn_tokens, max_total_tokens=w.seq_len, model_tokens=model,
+                          env_tokens=env, call_seconds=e.call_seconds, seconds_source=e.seconds_source)
 
 
 def start(job: JobSpec) -> Compilation:

@@ -74,7 +74,8 @@ def reshard_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     w = placed.shape.workload
     # A piece crosses with the columns up to its longest response: at most a generator replica's longest.
     replicas = next((p.dp for p in placed.chosen.placements if p.kind == "generate"), 1)
-    per_response = rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses / replicas), w.routes)
+    per_response = rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses / replicas), w.routes,
+                                                 w.episode.columns if w.episode else 0)
     return replace(s, reshard=plan_reshard(gen, train, w.responses, w.samples_per_prompt, per_response))
 
 

@@ -190,6 +190,9 @@ def render_text(plan: Plan, *, explain: bool = False, width: int = 160) -> str:
                           + "; ".join(r.message() for r in refusals), style="bold"))
     parts += _layout_tables(plan.chosen, "chosen")
     parts.append(_phase_table(plan))
+    if plan.workload is not None and plan.workload.episodes is not None:
+        parts.append(Text(f"of generate, {human_seconds(plan.chosen.estimate.environment_s)} per step is the "
+                          "environment: its calls on an episode's critical path (an episode waits for each)"))
     if plan.baseline is not None:
         speedup = plan.baseline.estimate.step_time_s / plan.chosen.estimate.step_time_s
         parts.append(Text(f"baseline (colocated, synchronous, DeepSpeed-Chat-like): {plan.baseline.label}\n"

@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass
 
 from graphrl.compiler.lengths import Lengths, lengths_of
-from graphrl.ops import route_width
+from graphrl.ops import episode_width, route_width
 from graphrl.errors import JobError
 from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
-from graphrl.schemas.job import ScheduleMode
+from graphrl.schemas.job import GenerateNode, ScheduleMode
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
 from graphrl.schemas.plan import Layout, RoleKind
@@ -35,6 +35,42 @@ class Role:
 
 
 @dataclass(frozen=True)
+class EpisodeShape:
+    """A generate node's episodes as the cost model charges them: every episode runs `turns` model turns
+    (up to `turn_tokens` each, within the episode's room), each answered by an environment call that adds
+    `reply_tokens` and takes `call_seconds`; its reset is one call more."""
+
+    turns: int
+    turn_tokens: int
+    reply_tokens: float
+    call_seconds: float
+    columns: int  # the `episode` field's width (`ops.episode_width`)
+    seconds_source: str = ""  # where `call_seconds` comes from, for the preview
+
+    def turn_plan(self, response_len: int) -> list[tuple[int, int]]:
+        """(context tokens after the prompt, model tokens) of each turn an episode of `response_len` tokens
+        after its prompt holds."""
+        out, used = [], 0.0
+        for _ in range(self.turns):
+            tokens = min(self.turn_tokens, int(response_len - used))
+            if tokens <= 0:
+                break
+            out.append((int(used), tokens))
+            used += tokens + self.reply_tokens
+        return out
+
+    def tokens(self, response_len: int) -> tuple[int, float]:
+        """(model tokens, environment tokens) of one episode."""
+        plan = self.turn_plan(response_len)
+        model = sum(t for _, t in plan)
+        return model, min(max(len(plan) - 1, 0) * self.reply_tokens, response_len - model)
+
+    def env_seconds(self, response_len: int) -> float:
+        """An episode's environment time on its critical path: its reset and one step per turn."""
+        return (1 + len(self.turn_plan(response_len))) * self.call_seconds
+
+
+@dataclass(frozen=True)
 class Workload:
     """Sizes of one RL step (global, all ranks together)."""
 
@@ -48,6 +84,7 @@ class Workload:
     pack: bool = False  # log-prob and training passes pack each micro-batch's sequences
     lengths: Lengths | None = None  # response lengths (None: every response response_len long)
     routes: int = 0  # route entries per token a mixture of experts' rollouts carry (`ops.route_width`)
+    episode: EpisodeShape | None = None  # a generate node with an environment: its episodes
 
     @property
     def responses(self) -> int:
@@ -179,5 +216,32 @@ def derive_workload(graph: JobGraph) -> Workload:
         response_len=sizes["R"], micro_batch=alg.micro_batch_size, updates_per_step=alg.updates_per_step,
         mini_batch=alg.mini_batch_size, pack=alg.pack_sequences,
         lengths=lengths_of(gen.spec.response_tokens, sizes["R"]),  # typecheck refused what it cannot hold
-        routes=route_width(graph.job.models[gen.spec.model].resolved_dims()),
+        routes=route_width(graph.job.models[gen.spec.model].resolved_dims()) if gen.spec.env is None else 0,
+        episode=episode_shape(gen.spec, sizes["R"]),
     )
+
+
+def episode_shape(spec: GenerateNode, response_len: int, measured_seconds: float | None = None) -> EpisodeShape | None:
+    """The episodes of a generate node with an environment, as charged: its estimates from the job, else the
+    class's declared ones, else a `graphrl calibrate` measurement (`measured_seconds`), else no environment time
+    and replies sharing the room the turns leave."""
+    env = spec.env
+    if env is None:
+        return None
+    from graphrl.envs import declared, env_class
+
+    try:
+        cls: type | None = env_class(env.cls)
+    except LookupError:  # typecheck names it; a preview of a plan whose class is gone charges the job's figures
+        cls = None
+    seconds, source = env.seconds_per_call, "env.seconds_per_call"
+    if seconds is None and measured_seconds is not None:
+        seconds, source = measured_seconds, "measured by graphrl calibrate"
+    if seconds is None and cls is not None and (declared_s := declared(cls, "seconds_per_call")) is not None:
+        seconds, source = declared_s, f"declared by {cls.__name__}"
+    reply = env.observation_tokens if env.observation_tokens is not None else \
+        (declared(cls, "observation_tokens") if cls is not None else None)
+    if reply is None:
+        reply = max(response_len - env.max_turns * spec.max_new_tokens, 0) / max(env.max_turns - 1, 1)
+    return EpisodeShape(env.max_turns, spec.max_new_tokens, float(reply), float(seconds or 0.0),
+                        episode_width(env), source if seconds is not None else "not given: none charged")

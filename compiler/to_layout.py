@@ -69,6 +69,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
                                         detail=f"{', '.join(mem.offloaded[role.name])} while idle"))
             operations.append(Operation(kind="onload", src="host", dst=role.name, num_bytes=moved, time_s=t,
                                         detail="before its phase"))
+    environment_s = 0.0
     if gen is not None and p.generator is not None:
         g = p.generator
         engine = p.engine_of(g.name)
@@ -81,6 +82,7 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
         # A generator that samples from the trainer's weights holds none of its own: the trainer's are charged.
         reads = ev.strategy == "colocated" and reads_trainer(p, train, gen)
         res = generation_phase(p, gen, free, reads=reads)
+        environment_s = res.env_seconds if res else 0.0
         kv_tokens = res.kv_tokens if res else p.workload.seq_len
         gmem = generator_memory(p, gen, concurrent=res.concurrent if res else 1, kv_tokens=kv_tokens, reads=reads)
         sleeps = engine_sleeps(engine, colocated=ev.strategy == "colocated", device_kind=p.hw.kind)
@@ -125,7 +127,8 @@ def to_layout(p: Problem, ev: Evaluated) -> Layout:
     else:
         device_memory.append(DeviceMemory(mesh=trainer_mesh, peak_bytes=mem.peak, capacity_bytes=capacity,
                                           roles=[pl.role for pl in placements]))
-    estimate = StepEstimate(step_time_s=ev.step_time_s, phases=ev.phases, mode=effective_mode(p.mode, ev.strategy))
+    estimate = StepEstimate(step_time_s=ev.step_time_s, phases=ev.phases, mode=effective_mode(p.mode, ev.strategy),
+                            environment_s=environment_s)
     return Layout(strategy=ev.strategy, label=ev.label, meshes=meshes, placements=placements,
                   operations=operations, device_memory=device_memory, estimate=estimate)
 

@@ -33,7 +33,7 @@ from graphrl.ops import OPS, op_kind
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.capabilities import Target, dtype_refusal
 from graphrl.schemas.cluster import ClusterSpec
-from graphrl.schemas.job import DatasetNode
+from graphrl.schemas.job import DatasetNode, GenerateNode
 from graphrl.tasks import REWARD_ARGS, REWARDS, TASKS, DigitTask, call_mismatch, resolve_callable
 
 from graphrl.compiler.candidates import check_pins
@@ -192,11 +192,53 @@ def _unify_shapes(graph: JobGraph) -> dict[str, dict[str, int]]:
                 conflict = sizes.bind((name, "N"), batch * node.spec.samples_per_prompt, f"B x G at nodes.{name}")
                 if conflict:
                     raise JobError(f"shape mismatch: N = {conflict}", path=("nodes", name, "samples_per_prompt"))
+            prompt_len = sizes.resolve((name, "P"))
+            if node.spec.env is not None and prompt_len is not None:
+                _bind_episode_len(sizes, name, node.spec, prompt_len)
     resolved: dict[str, dict[str, int]] = {}
     for node in graph.nodes():
         symbols = {d for p in _all_ports(node) for f in p.fields.values() for d in f.shape if isinstance(d, str)}
         resolved[node.name] = {s: v for s in sorted(symbols) if (v := sizes.resolve((node.name, s))) is not None}
     return resolved
+
+
+def _bind_episode_len(sizes: _Sizes, name: str, spec: GenerateNode, prompt_len: int) -> None:
+    """An episode's response columns R: its `max_total_tokens` less the prompt, room for one turn at least."""
+    env = spec.env
+    assert env is not None
+    if env.max_total_tokens < prompt_len + spec.max_new_tokens:
+        raise JobError(f"env.max_total_tokens {env.max_total_tokens} leaves no room for one turn: the prompt takes "
+                       f"{prompt_len} tokens and a turn up to max_new_tokens {spec.max_new_tokens}",
+                       path=("nodes", name, "env", "max_total_tokens"),
+                       fix=f"set it to at least {prompt_len + spec.max_new_tokens} (the prompt, then max_turns "
+                           f"{env.max_turns} turns and the environment's replies)")
+    conflict = sizes.bind((name, "R"), spec.response_len(prompt_len), f"env.max_total_tokens - P at nodes.{name}")
+    if conflict:
+        raise JobError(f"shape mismatch: R = {conflict}", path=("nodes", name, "env", "max_total_tokens"))
+
+
+def _check_env(graph: JobGraph, name: str, spec: GenerateNode) -> None:
+    """A generate node's environment: a class that `reset(row)` and `step(text)` can be called on, built with
+    its options; its dataset gives the text the episodes are told in."""
+    from graphrl.envs import class_mismatch, env_class
+
+    env = spec.env
+    assert env is not None
+    path = ("nodes", name, "env", "class")
+    try:
+        cls = env_class(env.cls)
+    except LookupError as exc:
+        raise JobError(str(exc), path=path, fix="name a built-in environment or a 'module:Class' on PYTHONPATH "
+                                                "(the job file's folder is on it)") from None
+    if (problem := class_mismatch(cls, dict(env.options))) is not None:
+        raise JobError(f"environment {env.cls!r} cannot run episodes: {problem}", path=path,
+                       fix="give the class __init__(self, **options), reset(self, row) and step(self, text) "
+                           "returning (observation, reward, done)")
+    source = graph.node(graph.in_edges(name)[0].src).spec if graph.in_edges(name) else None
+    if isinstance(source, DatasetNode) and source.task is not None and not source.task.startswith("digits-"):
+        raise JobError(f"an environment talks in text, but task {source.task!r} has no text form",
+                       path=("nodes", name, "env"), fix="use a file dataset (read with the model's tokenizer) or a "
+                                                        "digits-* task")
 
 
 def _all_ports(node) -> list:  # noqa: ANN001
@@ -229,6 +271,8 @@ def _check_references(graph: JobGraph) -> None:
                                path=("nodes", node.name, "rules"), fix="give the dataset node a `file:`, or use `fn:`")
         if node.op == "dataset" and spec.task is not None:
             _check_task(node.name, spec)
+        if node.op == "generate" and spec.env is not None:
+            _check_env(graph, node.name, spec)
 
 
 def _check_reward_fn(name: str, ref: str) -> None:

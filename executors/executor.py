@@ -47,7 +47,7 @@ from graphrl.schemas.program import (
     describe,
 )
 from graphrl.datasets import prompt_source
-from graphrl.ops import ROUTES_FIELD, route_width
+from graphrl.ops import EPISODE_FIELD, LOSS_MASK_FIELD, ROUTES_FIELD, episode_width, route_width
 from graphrl.rewards import RewardRuleError, combined_reward
 from graphrl.tasks import REWARDS, resolve_callable
 
@@ -55,6 +55,8 @@ from graphrl.executors import algorithms as alg
 from graphrl.executors import fp8, training
 from graphrl.executors.guards import check_rewards, reward_tensor
 from graphrl.executors.engines import EngineContext, GenerationEngine, GenerationRequest, build_engine
+from graphrl.executors.episodes import (EpisodeRunner, EpisodeSettings, Replica, codec_of, episode_metrics, episode_rows,
+                                        episode_samples, episode_sums, last_turn_mask)
 from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
 from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
@@ -122,7 +124,12 @@ class RankExecutor:
         self.source = prompt_source(plan.job, data_node.spec, gen_node.spec)
         # A mixture of experts' native generator records the routes its rollouts carry (R2/R3, the mismatch).
         engines = {p.engine for p in plan.chosen.placements if p.kind == "generate"}
-        self.route_width = route_width(plan.job.models[gen_node.spec.model].resolved_dims()) if engines == {"native"} else 0
+        self.route_width = route_width(plan.job.models[gen_node.spec.model].resolved_dims()) \
+            if engines == {"native"} and gen_node.spec.env is None else 0
+        # R: max_new_tokens, or with an environment the episode's tokens after its prompt.
+        self.response_len = gen_node.spec.response_len(data_node.spec.prompt_len)
+        self.episode_width = episode_width(gen_node.spec.env)
+        self.episodes: EpisodeRunner | None = None  # built at the first generation of an episode node
         self.router_replay = plan.job.algorithm.router_replay
         self.samples = SamplesWriter(out_dir, plan.job.run.samples_per_step)
         self.start_step = start_step
@@ -165,7 +172,7 @@ class RankExecutor:
 
     def _start_engines(self) -> dict[str, GenerationEngine]:
         """One engine per generator role on this rank (the plan's choice), on the role's current weights."""
-        max_model_len = self.data_node.spec.prompt_len + self.gen_node.spec.max_new_tokens
+        max_model_len = self.data_node.spec.prompt_len + self.response_len
         context = EngineContext(self.rank, self.rt.device, self.job.run.threads_per_rank, self.seed, max_model_len,
                                 self.plan.hardware.memory_bytes)
         generators = {name for name, role in self.roles.items() if role.placement.kind == "generate"}
@@ -352,7 +359,8 @@ class RankExecutor:
         if src is None:
             return None
         if src.op == "generate":
-            return self.rollouts(ins.step, ins.start, ins.stop, ins)  # type: ignore[attr-defined]
+            rollouts = self.rollouts(ins.step, ins.start, ins.stop, ins)  # type: ignore[attr-defined]
+            return rollouts[EPISODE_FIELD][:, 0] if src.port == "env_rewards" else rollouts
         key = (ins.step, src.node, src.port)  # type: ignore[attr-defined]
         if key not in self.values:
             raise self.fail(ins, f"input {port} ({src.node}.{src.port}) of step {ins.step} was never computed here")  # type: ignore[attr-defined]
@@ -375,8 +383,33 @@ class RankExecutor:
                                     ins.version)
         if role.reads is not None:
             self._check_trainer_weights(ins, role)
-        piece = self.engines[ins.role].generate(request)
+        if spec.env is None:
+            piece = self.engines[ins.role].generate(request)
+        else:
+            piece = self._episodes().run(self.engines[ins.role], prompt_ids, prompt_mask,
+                                         episode_rows(self.source, self._episodes().codec, ins.step, ins.start,
+                                                      ins.stop, g),
+                                         step=ins.step, start=ins.start, version=ins.version,
+                                         replica=self._replica(role))
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
+
+    def _replica(self, role: RoleState) -> Replica | None:
+        """A generator replica of several tp ranks: its group, for episodes run on its first rank."""
+        tp = getattr(role.module, "tp", None) if isinstance(role.module, TensorParallelLlama) else \
+            getattr(self.engines[role.placement.role], "group", None)
+        if tp is None or tp.size == 1:
+            return None
+        return Replica(tp.group, tp.rank == 0, self.rt.comm_device)
+
+    def _episodes(self) -> EpisodeRunner:
+        if self.episodes is None:
+            spec, data = self.gen_node.spec, self.data_node.spec
+            assert spec.env is not None
+            settings = EpisodeSettings(spec.env, spec.max_new_tokens, self.response_len, data.prompt_len,
+                                       spec.temperature, spec.top_p, tuple(self.source.stop_ids), self.source.pad_id,
+                                       self.seed)
+            self.episodes = EpisodeRunner(settings, codec_of(self.source, data))
+        return self.episodes
 
     def _check_trainer_weights(self, ins: Generate, role: RoleState) -> None:
         """A generator that samples from its trainer's module needs the trainer at the generator's version
@@ -414,7 +447,7 @@ class RankExecutor:
                                                        b["response_ids"], b["response_mask"], pack=self.pack,
                                                        routes=routes)
                 parts.append(lp.float())
-        self.values[(ins.step, ins.node, "logprobs")] = torch.cat(parts)
+        self.values[(ins.step, ins.node, "logprobs")] = torch.cat(parts) * training.loss_mask(r)
 
     def value(self, ins: Value) -> None:
         role = self._forward_role(ins)
@@ -429,7 +462,7 @@ class RankExecutor:
                     values = token_values(role.module, b["prompt_ids"], b["prompt_mask"], b["response_ids"],
                                           b["response_mask"], pack=self.pack)
                 parts.append(values.float())
-        self.values[(ins.step, ins.node, "values")] = torch.cat(parts) * r["response_mask"]
+        self.values[(ins.step, ins.node, "values")] = torch.cat(parts) * training.loss_mask(r)
 
     def _micro_batches(self, role: RoleState, r: dict[str, Tensor]) -> list[slice]:
         """The micro-batches of `role`'s forwards on these rows. Ranks whose forwards run collectives
@@ -444,7 +477,7 @@ class RankExecutor:
         r = self.read(ins, "rollouts")
         spec = self.nodes[ins.node].spec
         # Text only where it is read: every response for answer rules, the step's samples otherwise.
-        responses = self.source.decode(r["response_ids"], r["response_mask"]) if spec.rules else None
+        responses = self.source.decode(r["response_ids"], self._answer_mask(r)) if spec.rules else None
         examples = self.source.examples(ins.step)
         answers = None if examples is None else [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)]
         if spec.rules:
@@ -479,18 +512,30 @@ class RankExecutor:
             rewards = values.gather(1, last[:, None]).squeeze(1).float()
         if rewards.shape != (ins.stop - ins.start,):
             raise self.fail(ins, f"reward function returned shape {tuple(rewards.shape)}, expected ({ins.stop - ins.start},)")
+        env_rewards = self.read(ins, "env_rewards")
+        if env_rewards is not None:
+            rewards = rewards + env_rewards.to(rewards)
         made_by = f"rules {', '.join(spec.rules)}" if spec.rules else f"function {spec.fn!r}" if spec.fn else \
             f"reward model {spec.model!r}"
         check_rewards(rewards, f"reward node {ins.node!r} ({made_by})", ins.step, ins.start,
                       lambda i: self.source.decode(r["prompt_ids"][i:i + 1], r["prompt_mask"][i:i + 1])[0])
         self.values[(ins.step, ins.node, "rewards")] = rewards
-        if ins.start == 0:  # the first responses of each step, written once whichever rank scores them
+        self._scored(ins, r, rewards, answers)
+
+    def _answer_mask(self, r: dict[str, Tensor]) -> Tensor:
+        """The tokens an answer rule reads: the response, or an episode's last model turn."""
+        return r["response_mask"] if LOSS_MASK_FIELD not in r else last_turn_mask(r[LOSS_MASK_FIELD])
+
+    def _scored(self, ins: Reward | Advantage, r: dict[str, Tensor], rewards: Tensor, answers: list[str] | None) -> None:
+        """A step's rewards of responses [start, stop): counted for the step's metrics, and the first responses
+        of each step written to samples.jsonl (once, whichever rank scores them)."""
+        if ins.start == 0:
             n = min(self.samples.per_step, ins.stop - ins.start)
             prompts = self.source.decode(r["prompt_ids"][:n], r["prompt_mask"][:n])
-            shown = responses[:n] if responses is not None else self.source.decode(r["response_ids"][:n],
-                                                                                    r["response_mask"][:n])
+            shown = self.source.decode(r["response_ids"][:n], self._answer_mask(r)[:n])
             self.samples.write(ins.step, int(r["version"].item()), prompts, shown, rewards[:n].tolist(),
-                               r["response_mask"][:n].sum(1).tolist(), None if answers is None else answers[:n])
+                               training.loss_mask(r)[:n].sum(1).tolist(), None if answers is None else answers[:n],
+                               episode_samples(self.source, r, n) if EPISODE_FIELD in r else None)
         stats = self.stats.setdefault(ins.step, StepStats())
         stats.reward_sum += float(rewards.sum())
         stats.reward_count += rewards.numel()
@@ -500,6 +545,10 @@ class RankExecutor:
         a = self.job.algorithm
         rewards = self.read(ins, "rewards")
         r = self.read(ins, "rollouts")
+        if self.nodes[ins.node].inputs["rewards"].op == "generate":  # an environment's rewards, taken directly
+            examples = self.source.examples(ins.step)
+            self._scored(ins, r, rewards, None if examples is None else
+                         [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)])
         values = self.read(ins, "values") if ESTIMATORS[spec.estimator].needs_values else None
         kl = None
         if a.kl_in == "reward" and a.kl_coef > 0:  # typecheck: the node reads the reference's log-probs
@@ -508,12 +557,13 @@ class RankExecutor:
             kl = alg.kl_terms(sampling, self.read(ins, "ref_logprobs"), a.kl_estimator)
         policy = self.roles.get(self.policy_role)
         group = self._data_parallel_group(policy) if policy is not None and policy.placement.kind == "train" else None
-        inputs = alg.AdvantageInputs(rewards, r["response_mask"], values, self.group_size, spec, kl=kl,
+        mask = training.loss_mask(r)
+        inputs = alg.AdvantageInputs(rewards, mask, values, self.group_size, spec, kl=kl,
                                      kl_coef=a.kl_coef, batch_sum=lambda x: training.batch_sum(x, group, self.rt))
         adv, returns = alg.ADVANTAGE_FNS[spec.estimator](inputs)
         out = {"advantages": adv.float(), "returns": returns.float()}
         if kl is not None:  # reported by the policy's train step as its `kl` metric
-            out["kl"] = torch.where(r["response_mask"], kl.float(), 0.0)
+            out["kl"] = torch.where(mask, kl.float(), 0.0)
         self.values[(ins.step, ins.node, "advantages")] = out
 
     def train_step(self, ins: TrainStep) -> None:
@@ -546,10 +596,12 @@ class RankExecutor:
         """All-reduce the step's figures over the trainer group and let its first rank write them."""
         stats = self.stats.pop(ins.step, StepStats())
         names = sorted(metrics)
-        lengths = r["response_mask"].sum(1)
+        lengths = training.loss_mask(r).sum(1)
+        episodes = episode_sums(r[EPISODE_FIELD]) if EPISODE_FIELD in r else {}
         # on the device the trainer group's backend reduces (NCCL: the GPU)
         local = torch.tensor([stats.reward_sum, stats.reward_count, float(lengths.sum()), lengths.numel()]
-                             + [metrics[k] for k in names], dtype=torch.float64, device=self.rt.comm_device)
+                             + [metrics[k] for k in names] + list(episodes.values()), dtype=torch.float64,
+                             device=self.rt.comm_device)
         longest = torch.tensor([int(lengths.max()) if lengths.numel() else 0], dtype=torch.int64,
                                device=self.rt.comm_device)
         group = self.rt.group("trainer")
@@ -574,6 +626,9 @@ class RankExecutor:
                 "response_tokens_max": int(longest.item()),
             }
             row.setdefault("kl", 0.0)
+            if episodes:  # summed over the trainer group: its tp ranks each hold a data shard's episodes
+                sums = local[4 + len(names):] / self.roles[ins.role].placement.tp
+                row.update(episode_metrics(dict(zip(episodes, sums.tolist()))))
             self.metrics.write(row)
 
     def send(self, ins: Send) -> None:
@@ -581,7 +636,7 @@ class RankExecutor:
 
     def recv(self, ins: Recv) -> None:
         piece = recv_piece(self.rt, ins.peer, ins.stop - ins.start, self.data_node.spec.prompt_len,
-                           self.gen_node.spec.max_new_tokens, self.source.pad_id, self.route_width)
+                           self.response_len, self.source.pad_id, self.route_width, self.episode_width)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _piece_for(self, ins: Send) -> dict[str, Tensor]:

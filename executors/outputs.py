@@ -81,7 +81,10 @@ class SamplesWriter:
         self._file = None
 
     def write(self, step: int, version: int, prompts: list[str], responses: list[str], rewards: list[float],
-              response_tokens: list[int], answers: list[str] | None) -> None:
+              response_tokens: list[int], answers: list[str] | None,
+              episodes: list[dict[str, Any]] | None = None) -> None:
+        """One row per response; an episode's row also holds its turns and why it ended (`episodes`), and its
+        `response` is its last model turn, `response_tokens` its model tokens."""
         if self.per_step == 0:
             return
         if self._file is None:
@@ -92,6 +95,8 @@ class SamplesWriter:
                    "response": response, "response_tokens": tokens}
             if answers is not None:
                 row["answer"] = answers[i]
+            if episodes is not None:
+                row.update(episodes[i])
             self._file.write(json_line(row))
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphrl.ops import ROLLOUTS, ROUTES_FIELD
+from graphrl.ops import EPISODE_FIELD, LOSS_MASK_FIELD, ROLLOUTS, ROUTES_FIELD
 
 from graphrl.executors.models.sampling import used_response_columns
 
@@ -24,6 +24,8 @@ _TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
                  "bfloat16": torch.bfloat16}
 
 Piece = tuple[int, int, dict[str, Tensor]]
+# Fields some jobs' rollouts carry beyond the schema's: a mixture of experts' routes, an episode's loss mask and record.
+EXTRA_FIELDS = (ROUTES_FIELD, LOSS_MASK_FIELD, EPISODE_FIELD)
 # The fields with a response-length axis: cut to a piece's used width on the wire.
 _RESPONSE_FIELDS = frozenset(name for name, f in ROLLOUTS.fields.items() if "R" in f.shape)
 
@@ -43,8 +45,9 @@ def join_rollouts(pieces: list[Piece], lo: int, hi: int) -> tuple[dict[str, Tens
     if cursor < hi:
         return None, cursor
     out = {k: torch.cat([p[k] for p in parts]) for k in ROLLOUT_FIELDS}
-    if all(ROUTES_FIELD in p for p in parts):
-        out[ROUTES_FIELD] = torch.cat([p[ROUTES_FIELD] for p in parts])
+    for extra in EXTRA_FIELDS:
+        if all(extra in p for p in parts):
+            out[extra] = torch.cat([p[extra] for p in parts])
     out["version"] = torch.tensor([max(int(p["version"].item()) for p in parts)])
     return out, cursor
 
@@ -72,13 +75,17 @@ def send_piece(rt: Any, piece: dict[str, Tensor], peer: int) -> None:
         rt.send(tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor, peer)
     if ROUTES_FIELD in piece:
         rt.send(piece[ROUTES_FIELD][:, :piece["prompt_ids"].shape[1] + width].contiguous(), peer)
+    if LOSS_MASK_FIELD in piece:
+        rt.send(piece[LOSS_MASK_FIELD][:, :width].contiguous().to(torch.uint8), peer)
+        rt.send(piece[EPISODE_FIELD].contiguous(), peer)
 
 
 def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response_len: int,
-               pad_id: int = 0, route_width: int = 0) -> dict[str, Tensor]:
+               pad_id: int = 0, route_width: int = 0, episode_width: int = 0) -> dict[str, Tensor]:
     """Receive a piece from `peer` (its sizes known from the plan, its width from the wire), on this rank's
     device, its response columns padded back to `response_len` (ids with `pad_id`, masks False, 0); with
-    `route_width` (a mixture of experts' `ops.route_width`), its routes too."""
+    `route_width` (a mixture of experts' `ops.route_width`), its routes too, and with `episode_width`
+    (`ops.episode_width`), its episodes' loss mask and record."""
     width = torch.empty(1, dtype=torch.int64, device=rt.comm_device)
     rt.recv(width, peer)
     used = int(width.item())
@@ -94,7 +101,14 @@ def recv_piece(rt: Any, peer: int, num_responses: int, prompt_len: int, response
         buf = torch.empty((num_responses, prompt_len + used, route_width), dtype=torch.int16, device=rt.comm_device)
         rt.recv(buf, peer)
         piece[ROUTES_FIELD] = torch.nn.functional.pad(buf, (0, 0, 0, response_len - used)).to(rt.device)
+    if episode_width:
+        mask = torch.empty((num_responses, used), dtype=torch.uint8, device=rt.comm_device)
+        rt.recv(mask, peer)
+        piece[LOSS_MASK_FIELD] = torch.nn.functional.pad(mask, (0, response_len - used)).to(rt.device).bool()
+        record = torch.empty((num_responses, episode_width), dtype=torch.float32, device=rt.comm_device)
+        rt.recv(record, peer)
+        piece[EPISODE_FIELD] = record.to(rt.device)
     return piece
 
 
-__all__ = ["Piece", "ROLLOUT_FIELDS", "join_rollouts", "recv_piece", "send_piece", "wire_layout"]
+__all__ = ["EXTRA_FIELDS", "Piece", "ROLLOUT_FIELDS", "join_rollouts", "recv_piece", "send_piece", "wire_layout"]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from graphrl.errors import RunError
 from graphrl.schemas.algorithms import LOSSES
-from graphrl.ops import ROUTES_FIELD
+from graphrl.ops import LOSS_MASK_FIELD, ROUTES_FIELD
 from graphrl.schemas.job import AlgorithmSpec
 from graphrl.schemas.model import ModelDims
 
@@ -38,6 +38,13 @@ from graphrl.executors.roles import RoleState
 from graphrl.executors.runtime import Runtime
 
 ROW_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def loss_mask(rollouts: Mapping[str, Tensor]) -> Tensor:
+    """The tokens losses, advantages and metrics count: the model's (an episode's environment tokens are real
+    tokens of the sequence, attended to, but not the model's)."""
+    mask = rollouts.get(LOSS_MASK_FIELD)
+    return rollouts["response_mask"] if mask is None else mask
 
 
 def data_parallel_group(role: RoleState, mesh_groups: dict[str, Any], rt: Runtime) -> Any:
@@ -147,7 +154,7 @@ def optimizer_steps(rollouts: Mapping[str, Tensor], algorithm: AlgorithmSpec, gr
                     rt: Runtime) -> tuple[list[OptimizerStep], int]:
     """The optimizer steps of one pass over this rank's rows (the same for every pass: the weights read
     only masks), and the data-parallel size."""
-    mask, steps, dp_size = rollouts["response_mask"], [], 1
+    mask, steps, dp_size = loss_mask(rollouts), [], 1
     for rows in mini_batches(mask.shape[0], algorithm.mini_batch_size, group, rt):
         weights, dp_size = loss_weights(mask[rows], algorithm.loss_agg, group, rt)
         micro = micro_batches({key: rollouts[key][rows] for key in ROW_FIELDS}, algorithm, group, rt)
@@ -163,7 +170,7 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
     micro-batches as shares of its mini-batch) and of its gradient norm. `old` is the old log-probs (a
     policy) or values (a critic)."""
     assert role.wrapped is not None and role.optimizer is not None
-    module, mask = role.wrapped, rollouts["response_mask"]
+    module, mask = role.wrapped, loss_mask(rollouts)
     critic = LOSSES[loss_name].trains == "critic"
     steps, dp_size = optimizer_steps(rollouts, a, group, rt)
     # When the trainer holds the weights the rollouts were sampled with (a synchronous step), its log-probs
@@ -191,7 +198,7 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                     if critic:
                         values = module(*(b[key] for key in ROW_FIELDS))
                         loss, part_metrics = loss_fns.critic_objective(values, part, advantages["returns"][rows],
-                                                                       b["response_mask"], weights, a)
+                                                                       mask[rows], weights, a)
                     else:
                         # The generator's routes: imposed under R3; on the first step on the generator's
                         # weights, at least compared with the router's own (the routing mismatch).
@@ -204,7 +211,7 @@ def update(role: RoleState, loss_name: str, a: AlgorithmSpec, rollouts: dict[str
                             first_step.append(logprobs.detach())
                         batch = loss_fns.PolicyBatch(
                             logprobs, entropy, part, rollouts["behaviour_logprobs"][rows],
-                            None if ref is None else ref[rows], advantages["advantages"][rows], b["response_mask"],
+                            None if ref is None else ref[rows], advantages["advantages"][rows], mask[rows],
                             weights, advantages["kl"][rows] if "kl" in advantages else None)
                         loss, part_metrics = loss_fns.policy_objective(batch, loss_name, a)
                         if log is not None:
@@ -309,5 +316,5 @@ class _FsdpNoSync:
             self.module.set_reshard_after_backward(True)  # type: ignore[operator]
 
 
-__all__ = ["OptimizerStep", "batch_sum", "data_parallel_group", "loss_weights", "micro_batches", "mini_batches",
+__all__ = ["loss_mask", "OptimizerStep", "batch_sum", "data_parallel_group", "loss_weights", "micro_batches", "mini_batches",
            "optimizer_steps", "sequence_tokens", "update"]

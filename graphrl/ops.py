@@ -15,6 +15,7 @@ from graphrl.schemas.data import DataSchema
 from graphrl.schemas.job import (
     AdvantageNode,
     DatasetNode,
+    EnvSpec,
     GenerateNode,
     LogprobNode,
     RewardNode,
@@ -51,11 +52,29 @@ def route_width(dims: ModelDims) -> int:
     return dims.num_layers * dims.experts_per_token if dims.is_moe else 0
 
 
-def rollout_bytes_per_response(prompt_len: int, response_len: int, routes: int = 0) -> int:
+# An episode's rollouts (a generate node with an environment) carry two more fields: the loss mask, True on the
+# tokens the model sampled (False on the environment's, which every loss, advantage, KL and metric leaves
+# out), and what the episode did: EPISODE_COLUMNS, then each model turn's reward (`max_turns` columns).
+LOSS_MASK_FIELD = "loss_mask"  # bool [N, R]
+EPISODE_FIELD = "episode"  # float32 [N, episode_width]
+EPISODE_COLUMNS = ("env_reward", "turns", "tool_calls", "tool_errors", "env_seconds", "end", "model_tokens",
+                   "env_tokens")
+END_REASONS = ("done", "max_turns", "max_tokens", "timeout", "error", "bad_return")
+"""Why an episode ended: the environment said so (or had nothing more to say), the turn or token limit, or a
+failure of its environment (a call past timeout_s, an exception, a return the protocol does not allow)."""
+
+
+def episode_width(env: EnvSpec | None) -> int:
+    """Columns of an episode's `episode` field (0: the node has no environment)."""
+    return 0 if env is None else len(EPISODE_COLUMNS) + env.max_turns
+
+
+def rollout_bytes_per_response(prompt_len: int, response_len: int, routes: int = 0, episode: int = 0) -> int:
     """Bytes of one response's rollout fields as they cross a link (the executors send exactly these), with
-    `routes` route entries per token (`route_width`) for a mixture of experts."""
+    `routes` route entries per token (`route_width`) for a mixture of experts, and an episode's loss mask and
+    `episode` columns (`episode_width`) for a node with an environment."""
     return ROLLOUTS.bytes_per("N", {"P": prompt_len, "R": response_len}) + \
-        (prompt_len + response_len) * routes * ROUTE_BYTES
+        (prompt_len + response_len) * routes * ROUTE_BYTES + (response_len + 4 * episode if episode else 0)
 
 
 @dataclass(frozen=True)
@@ -98,10 +117,12 @@ def _dataset_ports(node: DatasetNode) -> Ports:
 
 
 def _generate_ports(node: GenerateNode) -> Ports:
-    return Ports(
-        inputs={"prompts": InPort(PROMPTS)},
-        outputs={"rollouts": OutPort(ROLLOUTS, doc="prompts, sampled responses and their log-probs")},
-    )
+    outputs = {"rollouts": OutPort(ROLLOUTS, doc="prompts, sampled responses and their log-probs")}
+    if node.env is not None:
+        outputs["rollouts"] = OutPort(ROLLOUTS, doc="prompts and episodes (model and environment tokens, a loss mask "
+                                      "over the model's)")
+        outputs["env_rewards"] = OutPort(REWARDS, must_consume=False, doc="each episode's summed step rewards")
+    return Ports(inputs={"prompts": InPort(PROMPTS)}, outputs=outputs)
 
 
 def _logprob_ports(node: LogprobNode) -> Ports:
@@ -113,7 +134,9 @@ def _value_ports(node: ValueNode) -> Ports:
 
 
 def _reward_ports(node: RewardNode) -> Ports:
-    return Ports(inputs={"rollouts": InPort(ROLLOUTS)}, outputs={"rewards": OutPort(REWARDS)})
+    inputs = {"rollouts": InPort(ROLLOUTS),
+              "env_rewards": InPort(REWARDS, required=False, doc="an environment's episode rewards, added")}
+    return Ports(inputs=inputs, outputs={"rewards": OutPort(REWARDS)})
 
 
 def _advantage_ports(node: AdvantageNode) -> Ports:
@@ -153,7 +176,7 @@ OPS.add("dataset", OpKind(
 ))
 OPS.add("generate", OpKind(
     "generate", GenerateNode, _generate_ports, reads_model=True, doc="sample responses",
-    bindings=lambda n: {"R": n.max_new_tokens},
+    bindings=lambda n: {"R": n.max_new_tokens} if n.env is None else {},  # an episode's R: typecheck, from P
 ))
 OPS.add("logprob", OpKind("logprob", LogprobNode, _logprob_ports, reads_model=True, doc="per-token log-probs"))
 OPS.add("value", OpKind("value", ValueNode, _value_ports, reads_model=True, doc="critic values"))

@@ -134,6 +134,30 @@ class ResponseTokens(Frozen):
         return self
 
 
+class EnvSpec(Frozen):
+    """An environment a generate node's episodes talk to: the model answers, the environment replies (a tool's
+    result, the next user message) with a reward and whether the episode is over, for up to `max_turns`
+    model turns. One instance per episode, built from `options`."""
+
+    model_config = ConfigDict(**Frozen.model_config, populate_by_name=True)
+
+    cls: str = Field(alias="class", description="Built-in environment name (calculator, python, digit-echo) or "
+                     "'module:Class' with reset(row) and step(text) methods (sync or async).")
+    options: dict[str, Union[str, int, float, bool, None, list, dict]] = Field(
+        default_factory=dict, description="Keyword arguments of the environment's constructor.")
+    max_turns: Integer = Field(default=4, gt=0, description="Most model turns of an episode.")
+    max_total_tokens: Integer = Field(
+        gt=0, description="Longest episode in tokens, the prompt included: the KV cache the plan charges per episode.")
+    timeout_s: Real = Field(default=10.0, gt=0, description="Wall-clock limit of one environment call (reset or "
+                            "step); past it the episode ends with reward 0 and reason 'timeout'.")
+    seconds_per_call: Real | None = Field(
+        default=None, ge=0, description="What one environment call takes, for the preview (unset: the class's "
+        "`seconds_per_call` attribute, a `graphrl calibrate JOB` measurement, or 0).")
+    observation_tokens: Integer | None = Field(
+        default=None, ge=0, description="Tokens one environment reply adds, for the preview (unset: the class's "
+        "`observation_tokens` attribute, else an even share of the episode's room).")
+
+
 class GenerateNode(_Node):
     """Sample responses from a model (KV-cache autoregressive decoding)."""
 
@@ -154,6 +178,13 @@ class GenerateNode(_Node):
         default=None,
         description="Assumed response lengths for the preview ({mean, max, p90} or {from: RUN_DIR}); unset = "
                     "every response max_new_tokens long.")
+    env: EnvSpec | None = Field(
+        default=None, description="An environment the episodes talk to over several turns (`max_new_tokens` is then "
+        "per turn); the node also outputs `env_rewards`, the episodes' summed step rewards.")
+
+    def response_len(self, prompt_len: int) -> int:
+        """R, the response columns of the rollouts: `max_new_tokens`, or an episode's tokens after its prompt."""
+        return self.max_new_tokens if self.env is None else self.env.max_total_tokens - prompt_len
 
     @model_validator(mode="after")
     def _lengths_within_limit(self) -> "GenerateNode":

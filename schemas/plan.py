@@ -119,6 +119,8 @@ class StepEstimate(Frozen):
     phases: dict[str, float] = Field(description="Seconds per phase (generate, infer, train, weight_sync, ...).")
     mode: ScheduleMode = Field(description="Schedule the estimate assumes.")
     method: Literal["analytical", "simulated"] = Field(default="analytical", description="How it was computed.")
+    environment_s: float = Field(default=0.0, ge=0, description="Of a generation, the seconds its episodes' "
+                                 "environment calls take on the critical path (0: no environment).")
 
 
 class CandidateSummary(Frozen):
@@ -199,6 +201,28 @@ class RunBindings(Frozen):
     last_train_node: str = Field(description="The step's last update, after which its data is no longer read.")
 
 
+class EpisodeSummary(Frozen):
+    """A generate node's episodes (an environment answers the model's turns) as the costs assume them."""
+
+    turns: int = Field(ge=1, description="Model turns per episode (env.max_turns).")
+    turn_tokens: int = Field(ge=1, description="Longest model turn (max_new_tokens).")
+    max_total_tokens: int = Field(ge=1, description="Longest episode, the prompt included (the KV cache charged).")
+    model_tokens: float = Field(ge=0, description="Model tokens of an episode, as charged.")
+    env_tokens: float = Field(ge=0, description="Environment tokens of an episode (its replies), as charged.")
+    call_seconds: float = Field(ge=0, description="Seconds of one environment call, as charged.")
+    seconds_source: str = Field(description="Where call_seconds comes from.")
+
+    def describe(self) -> str:
+        return (f"episodes of up to {self.turns} turns of {self.turn_tokens} tokens within {self.max_total_tokens} "
+                f"tokens (prompt included): per episode {self.model_tokens:.0f} model tokens and "
+                f"{self.env_tokens:.0f} environment tokens, {self.turns + 1} environment calls of "
+                f"{_seconds(self.call_seconds)} ({self.seconds_source})")
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
 class WorkloadSummary(Frozen):
     """The sizes of one step the plan's costs assume, as the preview states them."""
 
@@ -212,6 +236,8 @@ class WorkloadSummary(Frozen):
     optimizer_steps: int = Field(ge=1, description="Optimizer steps per pass over the batch (mini-batches).")
     passes: int = Field(ge=1, description="Passes over the batch per step (updates_per_step).")
     packed: bool = Field(description="Log-prob and training passes pack sequences (no padding).")
+    episodes: EpisodeSummary | None = Field(default=None, description="A generate node's episodes, when it has an "
+                                                                      "environment.")
 
     def describe(self) -> str:
         train = (f"{self.passes} pass{'es' if self.passes > 1 else ''} of {self.optimizer_steps} optimizer "
@@ -220,6 +246,9 @@ class WorkloadSummary(Frozen):
         if self.mean_response_tokens < self.max_new_tokens:
             lengths += (f": mean {self.mean_response_tokens:.0f}, p90 {self.p90_response_tokens:.0f}, longest of "
                         f"the batch {self.longest_response_tokens:.0f} (limit {self.max_new_tokens})")
+        if self.episodes is not None:
+            return (f"{self.responses} episodes per step, prompts of {self.prompt_len} tokens; "
+                    f"{self.episodes.describe()}; training: {train}")
         return (f"{self.responses} responses per step, prompts of {self.prompt_len} tokens; response lengths: "
                 f"{lengths}; training: {train}")
 

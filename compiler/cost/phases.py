@@ -66,6 +66,7 @@ class GenerationTime(NamedTuple):
     seconds: float
     concurrent: int  # sequences in flight per replica
     kv_tokens: float  # KV-cache tokens a replica holds
+    env_seconds: float = 0.0  # of `seconds`, an episode node's environment calls on the critical path
 
 
 def generation_phase(p: Problem, gen: GenCfg, free_bytes: float, *, reads: bool = False) -> GenerationTime | None:
@@ -110,11 +111,18 @@ def generation_phase(p: Problem, gen: GenCfg, free_bytes: float, *, reads: bool 
         waves = math.ceil(peak / capacity)
         kv_tokens = capacity if hint.memory_fraction is not None else min(capacity, max(peak, w.seq_len))
     batch = math.ceil(share / waves)
-    t = waves * generation_time(role.dims, batch, w.prompt_len, w.response_len, gen.tp, gen.precision,  # type: ignore[arg-type]
-                                p.hw, intra_node=not p.tp_group_spans(gen.tp), dtype_bytes=role.weight_bytes,
-                                lengths=lengths, continuous=engine != "native")
+    timed = functools.partial(generation_time, role.dims, batch, tp=gen.tp, precision=gen.precision, hw=p.hw,
+                    intra_node=not p.tp_group_spans(gen.tp), dtype_bytes=role.weight_bytes,
+                    continuous=engine != "native")
+    if w.episode is None:
+        t = waves * timed(prompt_len=w.prompt_len, response_len=w.response_len, lengths=lengths)
+        env = 0.0
+    else:  # each turn prefills the episode so far and decodes the model's turn; the environment answers it
+        t = waves * sum(timed(prompt_len=w.prompt_len + context, response_len=tokens)
+                        for context, tokens in w.episode.turn_plan(w.response_len))
+        env = waves * w.episode.env_seconds(w.response_len)
     t *= engine_time_factor(p.hw, engine)
-    return GenerationTime(t + p.hw.op_overhead_s, min(batch, share), kv_tokens)
+    return GenerationTime(t + env + p.hw.op_overhead_s, min(batch, share), kv_tokens, env)
 
 
 # One float64 per reported metric (reward sum and count, tokens, loss, KL, entropy, grad norm, ...).
@@ -300,7 +308,8 @@ def rollout_transfer_time(p: Problem, spans: bool) -> tuple[float, float]:
     """(seconds, bytes) of one step's rollouts sent from the generator's mesh to the trainer's (`spans`: the
     two meshes together span more than one node)."""
     w = p.workload
-    total = w.responses * rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses), w.routes)
+    total = w.responses * rollout_bytes_per_response(w.prompt_len, w.sent_response_len(w.responses), w.routes,
+                                                 w.episode.columns if w.episode else 0)
     return p2p_seconds(p.hw, total, spans), total
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -36,13 +36,11 @@ def response_seed(seed: int, step: int, index: int) -> int:
     return (seed * 1_000_003 + step) * 1_048_576 + index
 
 
-def response_uniforms(seed: int, step: int, start: int, stop: int, length: int) -> Tensor:
-    """The uniform numbers that sample responses [start, stop) of a step, [stop - start, length]: row i
-    comes from a generator seeded by (seed, step, i) alone, so a response is the same on every layout
-    (however many generator replicas split the batch, at whatever tensor-parallel size)."""
-    rows = [torch.rand(length, generator=torch.Generator().manual_seed(response_seed(seed, step, i)),
-                       dtype=torch.float64)
-            for i in range(start, stop)]
+def response_uniforms(seeds: Sequence[int], length: int) -> Tensor:
+    """The uniform numbers that sample responses of the given seeds (`GenerationRequest.seeds`), [len(seeds),
+    length]: each row from a generator seeded by its own seed alone, so a response is the same on every
+    layout (however many generator replicas split the batch, at whatever tensor-parallel size)."""
+    rows = [torch.rand(length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) for seed in seeds]
     return torch.stack(rows) if rows else torch.empty(0, length, dtype=torch.float64)
 
 
@@ -61,6 +59,13 @@ class GenerationRequest:
     step: int
     start: int
     version: int
+    row_seeds: tuple[int, ...] | None = None  # each row's own seed (an episode's turn); default from (seed, step, start + i)
+
+    def seeds(self) -> list[int]:
+        """The sampling seed of each row."""
+        if self.row_seeds is not None:
+            return list(self.row_seeds)
+        return [response_seed(self.seed, self.step, self.start + i) for i in range(self.prompt_ids.shape[0])]
 
 
 class GenerationEngine(Protocol):
@@ -113,8 +118,7 @@ class NativeEngine:
 
         device = request.prompt_ids.device
         n = request.prompt_ids.shape[0]
-        uniforms = response_uniforms(request.seed, request.step, request.start, request.start + n,
-                                     request.max_new_tokens).to(device)
+        uniforms = response_uniforms(request.seeds(), request.max_new_tokens).to(device)
         was_training = self.module.training
         self.module.eval()
         moe = bool(getattr(getattr(self.module, "dims", None), "is_moe", False))

@@ -49,7 +49,7 @@ from graphrl.errors import RunError
 from graphrl.schemas.job import Engine
 from graphrl.schemas.plan import RolePlacement
 
-from graphrl.executors.engines import EngineContext, GenerationRequest, pad_piece, rank_cores, response_seed
+from graphrl.executors.engines import EngineContext, GenerationRequest, pad_piece, rank_cores
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -224,9 +224,9 @@ class VllmEngine:
         n = request.prompt_ids.shape[0]
         ids, mask = request.prompt_ids.cpu(), request.prompt_mask.cpu().bool()
         prompts = [TokensPrompt(prompt_token_ids=ids[i][mask[i]].tolist()) for i in range(n)]
+        seeds = request.seeds()
         params = [SamplingParams(n=1, temperature=request.temperature, top_p=request.top_p,
-                                 max_tokens=request.max_new_tokens, seed=response_seed(request.seed, request.step,
-                                                                                       request.start + i),
+                                 max_tokens=request.max_new_tokens, seed=seeds[i],
                                  logprobs=0, stop_token_ids=list(request.stop_ids), ignore_eos=True, detokenize=False)
                   for i in range(n)]
         try:

@@ -138,7 +138,7 @@ def test_native_engine_samples_from_the_response_seeds() -> None:
     request = GenerationRequest(ids, mask, 6, 1.0, 1.0, (2,), 0, seed=3, step=1, start=8, version=0)
     piece = NativeEngine(model).generate(request)
     with torch.no_grad():
-        direct = generate(model, ids, mask, 6, uniforms=response_uniforms(3, 1, 8, 12, 6), eos_id=[2], pad_id=0)
+        direct = generate(model, ids, mask, 6, uniforms=response_uniforms([response_seed(3, 1, i) for i in range(8, 12)], 6), eos_id=[2], pad_id=0)
     width = direct.response_ids.shape[1]
     assert torch.equal(piece["response_ids"][:, :width], direct.response_ids)
     assert piece["response_ids"].shape == (4, 6)
