@@ -100,3 +100,15 @@ def resolve_hardware(cluster: ClusterSpec) -> HardwareSpec:
         if path is not None and path.exists():
             return load_calibration(path)
     return HARDWARE_PRESETS[cluster.hardware]
+
+
+def measured_environment(env: str, options: dict) -> float | None:
+    """Seconds of one call of an environment (its class and options) as this machine's calibration measured
+    them (`graphrl calibrate JOB`), or None. An environment runs on the host whatever the devices."""
+    path = calibration_path()
+    if path is None or not path.exists():
+        return None
+    spec, _ = _read_trusted(path)
+    key = json.dumps(options, sort_keys=True)
+    found = [t for t in (spec.environments if spec is not None else ()) if t.env == env and t.options == key]
+    return found[-1].seconds_per_call if found else None

@@ -217,8 +217,16 @@ def derive_workload(graph: JobGraph) -> Workload:
         mini_batch=alg.mini_batch_size, pack=alg.pack_sequences,
         lengths=lengths_of(gen.spec.response_tokens, sizes["R"]),  # typecheck refused what it cannot hold
         routes=route_width(graph.job.models[gen.spec.model].resolved_dims()) if gen.spec.env is None else 0,
-        episode=episode_shape(gen.spec, sizes["R"]),
+        episode=episode_shape(gen.spec, sizes["R"], _measured(gen.spec)),
     )
+
+
+def _measured(spec: GenerateNode) -> float | None:
+    if spec.env is None:
+        return None
+    from graphrl.compiler.hardware import measured_environment
+
+    return measured_environment(spec.env.cls, dict(spec.env.options))
 
 
 def episode_shape(spec: GenerateNode, response_len: int, measured_seconds: float | None = None) -> EpisodeShape | None:

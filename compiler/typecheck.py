@@ -220,7 +220,7 @@ def _bind_episode_len(sizes: _Sizes, name: str, spec: GenerateNode, prompt_len: 
 def _check_env(graph: JobGraph, name: str, spec: GenerateNode) -> None:
     """A generate node's environment: a class that `reset(row)` and `step(text)` can be called on, built with
     its options; its dataset gives the text the episodes are told in."""
-    from graphrl.envs import class_mismatch, env_class
+    from graphrl.envs import env_class, method_mismatch, options_mismatch
 
     env = spec.env
     assert env is not None
@@ -230,10 +230,13 @@ def _check_env(graph: JobGraph, name: str, spec: GenerateNode) -> None:
     except LookupError as exc:
         raise JobError(str(exc), path=path, fix="name a built-in environment or a 'module:Class' on PYTHONPATH "
                                                 "(the job file's folder is on it)") from None
-    if (problem := class_mismatch(cls, dict(env.options))) is not None:
+    if (problem := method_mismatch(cls)) is not None:
         raise JobError(f"environment {env.cls!r} cannot run episodes: {problem}", path=path,
-                       fix="give the class __init__(self, **options), reset(self, row) and step(self, text) "
+                       fix="give the class reset(self, row) returning the first message and step(self, text) "
                            "returning (observation, reward, done)")
+    if (problem := options_mismatch(cls, dict(env.options))) is not None:
+        raise JobError(f"environment {env.cls!r}: {problem}", path=("nodes", name, "env", "options"),
+                       fix="give only options its constructor takes")
     source = graph.node(graph.in_edges(name)[0].src).spec if graph.in_edges(name) else None
     if isinstance(source, DatasetNode) and source.task is not None and not source.task.startswith("digits-"):
         raise JobError(f"an environment talks in text, but task {source.task!r} has no text form",
@@ -424,6 +427,11 @@ def _check_router_replay(graph: JobGraph) -> None:
         raise JobError(f"router_replay {replay} replays the routes of a mixture of experts, but {dense[0]!r} is a "
                        "dense model", path=("algorithm", "router_replay"),
                        fix="set router_replay: none, or train a mixture-of-experts model (qwen2_moe, qwen3_moe)")
+    if replay == "R3" and (episodic := next((n.name for n in graph.nodes() if n.op == "generate" and n.spec.env),
+                                            None)):
+        raise JobError(f"router_replay R3 replays the generator's routes, but the episodes of {episodic!r} do not "
+                       "record them (each turn is a generation of its own)", path=("algorithm", "router_replay"),
+                       fix="use R2 (the trainer's own first-pass routing) or none for a job with an environment")
 
 
 def _check_mini_batch(graph: JobGraph, sizes: dict[str, dict[str, int]]) -> None:

@@ -268,6 +268,7 @@ class EpisodeRunner:
     def __init__(self, settings: EpisodeSettings, codec: TurnCodec) -> None:
         self.s, self.codec = settings, codec
         self.replica: Replica | None = None
+        self.failures: list[dict[str, Any]] = []  # the last run's failed episodes: why each ended
         self.cls = env_class(settings.env.cls)
         problem = class_mismatch(self.cls, dict(settings.env.options))
         if problem is not None:  # validate refuses this: a plan made without it still fails by name
@@ -282,7 +283,7 @@ class EpisodeRunner:
         if replica is not None and not replica.leads:
             return self._follow(engine, replica, len(rows), step=step, version=version, device=prompt_ids.device)
         self.replica = replica
-        s, calls = self.s, EnvCalls()
+        s, calls, waited = self.s, EnvCalls(), 0.0
         episodes = [Episode(start + i, row, prompt_ids[i][prompt_mask[i].bool()].tolist()) for i, row in enumerate(rows)]
         options = dict(s.env.options)
         for e in episodes:
@@ -294,7 +295,9 @@ class EpisodeRunner:
                 continue
             now = time.perf_counter()
             deadline = min(e.deadline for e in episodes if e.deadline is not None)
-            for episode, call_id, value, exc, seconds in calls.results(deadline - now):
+            returned = calls.results(deadline - now)
+            waited += time.perf_counter() - now
+            for episode, call_id, value, exc, seconds in returned:
                 e = episodes[episode - start]
                 if e.reason is None and call_id == e.calls:
                     self._returned(e, value, exc, seconds)
@@ -303,7 +306,9 @@ class EpisodeRunner:
                 if e.deadline is not None and now > e.deadline:
                     e.env_seconds += s.env.timeout_s
                     e.end("timeout", f"an environment call took longer than timeout_s {s.env.timeout_s:g} s")
-        piece = self._piece(episodes, version, prompt_ids.device)
+        piece = self._piece(episodes, version, prompt_ids.device, waited)
+        self.failures = [{"step": step, "index": e.index, "end": e.reason, "error": e.error} for e in episodes
+                         if e.reason in FAILURES]
         if replica is not None:
             replica.broadcast(torch.zeros(2, dtype=torch.int64))  # no more turns
             for name in _SHARED:
@@ -407,7 +412,8 @@ class EpisodeRunner:
             # Every turn is scored, the last one too (`_returned` ends an episode that has no room left).
             self._call(calls, e, lambda env=e.env, text=e.last_text: env.step(text))
 
-    def _piece(self, episodes: list[Episode], version: int, device: torch.device) -> dict[str, Tensor]:
+    def _piece(self, episodes: list[Episode], version: int, device: torch.device,
+               waited: float = 0.0) -> dict[str, Tensor]:
         s, n = self.s, len(episodes)
         prompt_ids = torch.full((n, s.prompt_len), s.pad_id, dtype=torch.int64)
         prompt_mask = torch.zeros((n, s.prompt_len), dtype=torch.bool)
@@ -429,7 +435,7 @@ class EpisodeRunner:
             row = {"env_reward": sum(e.rewards), "turns": e.turns, "tool_calls": e.tool_calls,
                    "tool_errors": e.tool_errors, "env_seconds": e.env_seconds,
                    "end": END_REASONS.index(e.reason or "done"), "model_tokens": model_tokens,
-                   "env_tokens": t - model_tokens}
+                   "env_tokens": t - model_tokens, "env_wait_s": waited / n}
             for name, value in row.items():
                 stats[i, _COLUMN[name]] = float(value)
             rewards = e.rewards[:s.env.max_turns]
@@ -507,7 +513,8 @@ def episode_samples(source: Any, r: dict[str, Tensor], n: int) -> list[dict[str,
 
 def episode_sums(record: Tensor) -> dict[str, float]:
     """A batch's episode figures summed (the trainer group adds them up): episodes, each column of
-    EPISODE_COLUMNS but `end`, and how many ended for each reason."""
+    EPISODE_COLUMNS but `end`, how many ended for each reason, and the rewards of their last turns (a tool-using
+    episode's final answer)."""
     sums = {"episodes": float(record.shape[0])}
     for name in EPISODE_COLUMNS:
         if name != "end":
@@ -515,16 +522,22 @@ def episode_sums(record: Tensor) -> dict[str, float]:
     ends = record[:, _COLUMN["end"]].long()
     for code, reason in enumerate(END_REASONS):
         sums[f"end_{reason}"] = float((ends == code).sum())
+    turns = record[:, _COLUMN["turns"]].long()
+    last = (len(EPISODE_COLUMNS) + turns - 1).clamp(min=len(EPISODE_COLUMNS))[:, None]
+    sums["final_reward"] = float(torch.where(turns > 0, record.gather(1, last)[:, 0], 0.0).sum())
     return sums
 
 
-def episode_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """metrics.jsonl's episode figures of a step from `episode_sums` over its whole batch."""
+def episode_metrics(sums: dict[str, float], replicas: int) -> dict[str, float]:
+    """metrics.jsonl's episode figures of a step from `episode_sums` over its whole batch, sampled by `replicas`
+    generator replicas (env_wait_s: the seconds one of them waited for environments with no episode ready)."""
     n = max(sums["episodes"], 1.0)
-    return {"env_reward_mean": sums["env_reward"] / n, "turns_mean": sums["turns"] / n,
+    return {"env_reward_mean": sums["env_reward"] / n, "env_final_reward_mean": sums["final_reward"] / n,
+            "turns_mean": sums["turns"] / n,
             "tool_calls": sums["tool_calls"], "tool_errors": sums["tool_errors"],
             "env_seconds": sums["env_seconds"], "env_seconds_per_episode": sums["env_seconds"] / n,
             "model_tokens_mean": sums["model_tokens"] / n, "env_tokens_mean": sums["env_tokens"] / n,
+            "env_wait_s": sums["env_wait_s"] / max(replicas, 1),
             **{f"episodes_{reason}": sums[f"end_{reason}"] for reason in END_REASONS}}
 
 

@@ -59,7 +59,7 @@ from graphrl.executors.episodes import (EpisodeRunner, EpisodeSettings, Replica,
                                         episode_samples, episode_sums, last_turn_mask)
 from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
-from graphrl.executors.outputs import MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
+from graphrl.executors.outputs import EnvErrorsWriter, MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
 from graphrl.executors.parallel import copy_full_weights, full_state_dict, gather_in_place, release_gathered
 from graphrl.executors.roles import DTYPES, RoleState, build_roles, role_group
 from graphrl.executors.rollouts import Piece, join_rollouts, recv_piece, send_piece
@@ -132,6 +132,7 @@ class RankExecutor:
         self.episodes: EpisodeRunner | None = None  # built at the first generation of an episode node
         self.router_replay = plan.job.algorithm.router_replay
         self.samples = SamplesWriter(out_dir, plan.job.run.samples_per_step)
+        self.env_errors = EnvErrorsWriter(out_dir, self.rank)
         self.start_step = start_step
         self.values: dict[tuple[int, str, str], Any] = {}
         self.pieces: dict[int, list[Piece]] = {}
@@ -243,6 +244,7 @@ class RankExecutor:
                 self.spans.write(self.out_dir / "timeline")
                 self.metrics.close()
                 self.samples.close()
+                self.env_errors.close()
         self.write_ledger()
 
     def _release_old_steps(self, step: int | None) -> None:
@@ -391,6 +393,7 @@ class RankExecutor:
                                                       ins.stop, g),
                                          step=ins.step, start=ins.start, version=ins.version,
                                          replica=self._replica(role))
+            self.env_errors.write(self._episodes().failures)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _replica(self, role: RoleState) -> Replica | None:
@@ -628,7 +631,8 @@ class RankExecutor:
             row.setdefault("kl", 0.0)
             if episodes:  # summed over the trainer group: its tp ranks each hold a data shard's episodes
                 sums = local[4 + len(names):] / self.roles[ins.role].placement.tp
-                row.update(episode_metrics(dict(zip(episodes, sums.tolist()))))
+                replicas = next(p.dp for p in self.plan.chosen.placements if p.kind == "generate")
+                row.update(episode_metrics(dict(zip(episodes, sums.tolist())), replicas))
             self.metrics.write(row)
 
     def send(self, ins: Send) -> None:

@@ -105,6 +105,30 @@ class SamplesWriter:
             self._file = None
 
 
+class EnvErrorsWriter:
+    """`env_errors.jsonl`: each episode an environment failure ended (a timeout, an exception, a return the
+    protocol refuses, a first message longer than prompt_len), with its step, response index and the reason in
+    words, at most `per_step` a step. Written by the generator ranks (one line each, appended)."""
+
+    def __init__(self, out_dir: Path, rank: int, per_step: int = 16) -> None:
+        self.path, self.rank, self.per_step = out_dir / "env_errors.jsonl", rank, per_step
+        self._file = None
+
+    def write(self, failures: list[dict[str, Any]]) -> None:
+        if not failures:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        for row in failures[:self.per_step]:
+            self._file.write(json_line({**row, "rank": self.rank}))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def checkpoint_folders(out_dir: Path, step: int) -> tuple[Path, Path]:
     """(partial, final) folder of the checkpoint after `step`: every rank writes into the first, and
     `finish_checkpoint` renames it to the second."""

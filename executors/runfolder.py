@@ -14,7 +14,7 @@ new run may use it.
   taken over without a word.
 - **A run that did nothing is no run.** A folder whose run finished no step and wrote no checkpoint (it was
   stopped while it started) may be started again by the same command.
-- **Resuming** continues from the newest intact checkpoint and rewinds `metrics.jsonl` and `samples.jsonl`
+- **Resuming** continues from the newest intact checkpoint and rewinds `metrics.jsonl`, `samples.jsonl` and `env_errors.jsonl`
   to it, so a step that ran after the checkpoint and runs again is recorded once; with no checkpoint at
   all it starts again from step 0, its records emptied.
 """
@@ -38,8 +38,8 @@ RUN_RECORD = "run.json"
 LOCK_FILE = "run.lock"
 # What a run writes into its folder, as glob patterns relative to it: `--overwrite` deletes these (and the
 # files `run.json` lists) and nothing else.
-RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "timeline.json", "plan.msgpack", "machine_speed.json",
-               "metrics.jsonl.rewind", "samples.jsonl.rewind", "checkpoints/step_*", "checkpoints/.step_*.partial",
+RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "env_errors.jsonl", "timeline.json", "plan.msgpack",
+               "machine_speed.json", "metrics.jsonl.rewind", "samples.jsonl.rewind", "env_errors.jsonl.rewind", "checkpoints/step_*", "checkpoints/.step_*.partial",
                "checkpoints/latest", "checkpoints/latest.tmp", "tensorboard/events.out.tfevents.*",
                "timeline/rank*.json", "ledger/rank*.json", "errors/rank*.txt", RUN_RECORD)
 # Settings a resume may change: how long it runs, how often it checkpoints, where and on what it runs.
@@ -337,10 +337,10 @@ def _write_record(out_dir: Path, record: dict[str, Any]) -> None:
 
 
 def rewind_records(out_dir: Path, next_step: int) -> dict[str, int]:
-    """Drop the lines of steps >= `next_step` from metrics.jsonl and samples.jsonl (a run resumed from a
-    checkpoint runs them again), and a torn last line; how many lines each file lost."""
+    """Drop the lines of steps >= `next_step` from metrics.jsonl, samples.jsonl and env_errors.jsonl (a run
+    resumed from a checkpoint runs them again), and a torn last line; how many lines each file lost."""
     dropped = {}
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "env_errors.jsonl"):
         path = out_dir / name
         if not path.is_file():
             continue

@@ -125,8 +125,11 @@ def _run_script(p: Path) -> Any:
     import contextlib
     import io
 
+    from graphrl.loader import importable
+
     argv, captured = sys.argv, io.StringIO()
     sys.argv = [str(p)]
+    importable(p.parent)
     try:  # build_job() runs inside the try too: its mistakes are the script's, located in it
         with contextlib.redirect_stderr(captured):
             namespace = runpy.run_path(str(p))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -378,7 +379,17 @@ def load_job(path: str | Path, overrides: Sequence["Override"] = ()) -> LoadedJo
     """Read and validate a job file (with `overrides` applied). Raises JobError with file, line, column and
     field path."""
     path = Path(path)
-    return load_job_text(_read_text(path, JobError), str(path), overrides)
+    text = _read_text(path, JobError)
+    importable(path.parent)
+    return load_job_text(text, str(path), overrides)
+
+
+def importable(folder: Path) -> None:
+    """Let a job's `module:function` and `module:Class` names find modules beside the job file (after every
+    other place Python looks: a module there never hides an installed one)."""
+    where = str(folder.resolve())
+    if where not in sys.path:
+        sys.path.append(where)
 
 
 # --- overrides: `--set KEY=VALUE` ------------------------------------------------------------------

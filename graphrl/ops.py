@@ -58,7 +58,9 @@ def route_width(dims: ModelDims) -> int:
 LOSS_MASK_FIELD = "loss_mask"  # bool [N, R]
 EPISODE_FIELD = "episode"  # float32 [N, episode_width]
 EPISODE_COLUMNS = ("env_reward", "turns", "tool_calls", "tool_errors", "env_seconds", "end", "model_tokens",
-                   "env_tokens")
+                   "env_tokens", "env_wait_s")
+"""env_seconds: the episode's environment calls; env_wait_s: its share of the time its generation waited with
+no episode ready (the generation's wait spread evenly over its episodes, so a batch's sum is its wait)."""
 END_REASONS = ("done", "max_turns", "max_tokens", "timeout", "error", "bad_return")
 """Why an episode ended: the environment said so (or had nothing more to say), the turn or token limit, or a
 failure of its environment (a call past timeout_s, an exception, a return the protocol does not allow)."""

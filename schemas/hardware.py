@@ -22,6 +22,18 @@ TFLOPS = 1e12
 MeasuredCollective = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 
 
+class EnvironmentTiming(Frozen):
+    """An environment's calls as measured by `graphrl calibrate JOB`: a few of the job's episodes run with its
+    model at its initial weights on this machine. The preview charges `seconds_per_call` for a job whose
+    environment (class and options) is this one and that gives no estimate of its own."""
+
+    env: str = Field(description="The environment as a job names it ('calculator', 'module:Class').")
+    options: str = Field(description="Its options, as canonical JSON.")
+    seconds_per_call: Real = Field(ge=0, description="Mean seconds of one call (reset or step).")
+    calls: int = Field(ge=0, description="Calls measured.")
+    episodes: int = Field(ge=0, description="Episodes they came from.")
+
+
 class EngineThroughput(Frozen):
     """A generation engine's measured speed next to graphrl's native sampler, on the same probe model,
     prompts and machine (`graphrl calibrate`). The cost model scales the native sampler's predicted
@@ -196,6 +208,8 @@ class HardwareSpec(Frozen):
         description="Measured collectives within one node (from `graphrl calibrate`); the cost model uses the "
                     "fit of the nearest measured group size and falls back to the link figures without one.",
     )
+    environments: tuple[EnvironmentTiming, ...] = Field(
+        default=(), description="Environments measured on this machine (`graphrl calibrate JOB` of a job with one).")
     engines: tuple[EngineThroughput, ...] = Field(
         default=(),
         description="Measured generation engines (from `graphrl calibrate`, where the engine is installed); a "

@@ -50,7 +50,7 @@ from graphrl.calibration.model_probes import probe_side_by_side
 from graphrl.calibration.speed import machine_speed
 from graphrl.compiler.background import usable_cores
 from graphrl.executors.host_memory import keep_freed_host_memory
-from graphrl.schemas.hardware import HARDWARE_PRESETS, HOST_FIT_FIELDS, HardwareSpec, HostFit
+from graphrl.schemas.hardware import HARDWARE_PRESETS, HOST_FIT_FIELDS, EnvironmentTiming, HardwareSpec, HostFit
 from graphrl.schemas.model import MODEL_PRESETS
 
 __all__ = ["calibrate", "machine_speed", "write_calibration"]
@@ -125,12 +125,20 @@ def calibrate(report: Callable[[str], None] = print, with_p2p: bool = True, max_
         report(f"  {per_op * 1e6:.0f} µs per instruction")
     finally:
         torch.set_num_threads(threads)
-    update: dict[str, Any] = dict(op_overhead_s=per_op, engines=engine_throughputs(report))
+    update: dict[str, Any] = dict(op_overhead_s=per_op, engines=engine_throughputs(report),
+                                  environments=measured_environments(jobs, report))
     ram = physical_memory_bytes()
     if ram:  # a local rank is a process on a core: its share of the machine's memory
         update["memory_bytes"] = ram / (os.cpu_count() or 1)
         report(f"memory per rank: {update['memory_bytes'] / 2**30:.1f} GiB ({ram / 2**30:.1f} GiB over {os.cpu_count()} cores)")
     return fitted.model_copy(update=update)
+
+
+def measured_environments(jobs: tuple[str | Path, ...], report: Callable[[str], None]) -> tuple[EnvironmentTiming, ...]:
+    """The environments of the jobs that have one, each timed over a few of its episodes."""
+    from graphrl.calibration.environments import measure_environment
+
+    return tuple(t for job in jobs if (t := measure_environment(job, report)) is not None)
 
 
 def physical_memory_bytes() -> int | None:

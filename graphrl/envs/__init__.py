@@ -18,6 +18,7 @@ one of them or 'module:Class'. Nothing here runs a model: `graphrl.executors.epi
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from dataclasses import dataclass
@@ -46,12 +47,11 @@ def env_class(ref: str) -> type:
 
 def class_mismatch(cls: type, options: dict[str, Any]) -> str | None:
     """Why `cls` cannot serve as an environment built with `options`, or None when it can."""
-    try:
-        inspect.signature(cls).bind(**options)
-    except TypeError as exc:
-        return f"its constructor {cls.__name__}{_signature(cls)} does not take the options {sorted(options)}: {exc}"
-    except ValueError:
-        pass  # a builtin without a signature: Python cannot tell
+    return method_mismatch(cls) or options_mismatch(cls, options)
+
+
+def method_mismatch(cls: type) -> str | None:
+    """Why `cls` has no `reset(row)` and `step(text)` to call, or None."""
     for method, args in (("reset", ("row",)), ("step", ("text",))):
         fn = getattr(cls, method, None)
         if fn is None or not callable(fn):
@@ -61,13 +61,30 @@ def class_mismatch(cls: type, options: dict[str, Any]) -> str | None:
         except TypeError as exc:
             return f"its {method}{inspect.signature(fn)} cannot be called as {method}({', '.join(args)}): {exc}"
         except ValueError:
-            pass
+            pass  # a builtin without a signature: Python cannot tell
+    return None
+
+
+def options_mismatch(cls: type, options: dict[str, Any]) -> str | None:
+    """Why `cls(**options)` cannot be called (with the option it takes that a misspelt one is nearest), or None."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(**options)
+    except TypeError as exc:
+        takes = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
+        hints = [f"{key!r}: did you mean {close[0]!r}?" for key in options
+                 if key not in takes and (close := difflib.get_close_matches(key, takes, n=1))]
+        return (f"its constructor {cls.__name__}{_signature(cls)} cannot take the options {sorted(options)} ({exc})"
+                + (f"; {'; '.join(hints)}" if hints else ""))
     return None
 
 
 def _signature(cls: type) -> str:
     try:
-        return str(inspect.signature(cls))
+        return str(inspect.signature(cls).replace(return_annotation=inspect.Signature.empty))
     except (TypeError, ValueError):
         return "(...)"
 
@@ -127,4 +144,4 @@ def _load_builtins() -> None:
 Call = Callable[..., Any]
 
 __all__ = ["ENVS", "EnvProtocolError", "Message", "StepResult", "class_mismatch", "declared", "env_class",
-           "messages_of", "step_result"]
+           "messages_of", "method_mismatch", "options_mismatch", "step_result"]

@@ -120,16 +120,24 @@ class Calculator:
     call ends the episode with reward 1 if its final number equals the row's answer, else 0. A call past
     `max_calls` is refused with an error telling the model to answer. A call left open at the end of the turn
     (generation stopped at the closing tag) counts as a call.
+
+    For a model too small to follow the instructions alone, `examples` (up to 2) shows worked exchanges as
+    earlier turns of the conversation (a problem, a call, its result, the answer), and `call_reward` rewards
+    each call the calculator evaluates (a shaping reward: the episode's reward is their sum plus the answer's).
     """
 
     seconds_per_call = 0.00002  # one call measured at about 17 µs
     observation_tokens = 8
 
-    def __init__(self, instructions: str | None = None, tag: str = "calc", max_calls: int = 4) -> None:
+    def __init__(self, instructions: str | None = None, tag: str = "calc", max_calls: int = 4, examples: int = 0,
+                 call_reward: float = 0.0) -> None:
         if not re.fullmatch(r"[A-Za-z][\w-]*", tag):
             raise ValueError(f"calculator option tag={tag!r} is not a tag name (letters, digits, '_' or '-')")
         if max_calls < 0:
             raise ValueError(f"calculator option max_calls={max_calls} is negative")
+        if not 0 <= examples <= len(_EXAMPLES):
+            raise ValueError(f"calculator option examples={examples} is not between 0 and {len(_EXAMPLES)}")
+        self.examples, self.call_reward = examples, float(call_reward)
         self.tag = tag
         self.max_calls = max_calls
         self.instructions = DEFAULT_INSTRUCTIONS.format(tag=tag) if instructions is None else instructions
@@ -138,9 +146,18 @@ class Calculator:
         self.tool_calls = 0
         self.tool_errors = 0
 
-    def reset(self, row: dict) -> str:
+    def reset(self, row: dict) -> str | list[dict[str, str]]:
         self._answer = row.get("answer")
-        return f"{row['prompt']}\n\n{self.instructions}"
+        if not self.examples:
+            return f"{row['prompt']}\n\n{self.instructions}"
+        shown: list[dict[str, str]] = []
+        for question, expression in _EXAMPLES[:self.examples]:
+            shown += [{"role": "user", "content": question},
+                      {"role": "assistant", "content": f"<{self.tag}>{expression}</{self.tag}>"},
+                      {"role": "user", "content": f"Result: {format_number(evaluate(expression))}"},
+                      {"role": "assistant", "content": format_number(evaluate(expression))}]
+        shown[0]["content"] += f"\n\n{self.instructions}"
+        return shown + [{"role": "user", "content": row["prompt"]}]
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
         call = self._call.search(text)
@@ -157,7 +174,12 @@ class Calculator:
         except CalcError as exc:
             self.tool_errors += 1
             return f"error: {exc}", 0.0, False
-        return f"Result: {format_number(result)}", 0.0, False
+        return f"Result: {format_number(result)}", self.call_reward, False
+
+
+# Worked exchanges `examples` shows before the problem: a question and the expression that answers it.
+_EXAMPLES = (("Tom has 3 bags with 4 apples in each bag. How many apples are there in all?", "3*4"),
+             ("Sam has 15 cards and gives away 6. How many cards are left?", "15-6"))
 
 
 __all__ = ["DEFAULT_INSTRUCTIONS", "CalcError", "Calculator", "evaluate", "format_number"]

@@ -82,6 +82,13 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> Report:
     for r in kind_rows:
         r["error_pct"] = error_pct(r["predicted_s"], r["measured_s"])
     phase_rows = seconds_per_phase(kind_rows)
+    episodes = episode_figures(steady_metrics or metrics, plan)
+    if episodes is not None:  # the environment's share of generation, predicted against measured
+        at = next((i + 1 for i, row in enumerate(phase_rows) if row["phase"] == "generate"), len(phase_rows))
+        phase_rows.insert(at, {"phase": "  of which the environment", "predicted_s": episodes["predicted_env_s"],
+                               "measured_s": episodes["measured_env_s"],
+                               "error_pct": error_pct(episodes["predicted_env_s"], episodes["measured_env_s"]),
+                               "kinds": ["Generate (waiting for environments)"]})
 
     # Busy fraction per rank.
     num_ranks = (plan.programs.num_ranks if plan is not None and plan.programs is not None
@@ -132,6 +139,7 @@ def build_report(run_dir: str | Path, *, warmup_steps: int = 1) -> Report:
         "kinds": {"rows": kind_rows, "measured": measured is not None, "predicted": predicted is not None,
                   "steps_averaged": {k: len(steps) for k, (_, steps) in steady_of.items()}},
         "phases": {"rows": phase_rows},
+        "episodes": episodes,
         "busy": {"source": "measured" if measured is not None else "simulated" if predicted is not None else None,
                  "ranks": busy_rows, "meshes": busy_meshes},
         "notes": notes,
@@ -154,6 +162,33 @@ class Report:
     def render_text(self, width: int = 120) -> str:
         """The same tables for a terminal (plain text, no colour codes)."""
         return render_text(self.data, width)
+
+
+# The episode figures of metrics.jsonl the report shows (a step's mean or count), and what each means.
+EPISODE_FIGURES = (("turns_mean", "model turns per episode"), ("model_tokens_mean", "model tokens per episode"),
+                   ("env_tokens_mean", "environment tokens per episode"),
+                   ("env_reward_mean", "environment reward per episode"),
+                   ("env_final_reward_mean", "reward of an episode's last turn"), ("tool_calls", "tool calls per step"),
+                   ("tool_errors", "tool errors per step"), ("env_seconds", "environment seconds per step (all calls)"),
+                   ("env_wait_s", "seconds per step generation waited for environments"))
+
+
+def episode_figures(rows: list[dict[str, Any]], plan: Plan | None) -> dict[str, Any] | None:
+    """A run's episodes (a generate node with an environment), over `rows` (the steady steps): each figure's
+    mean per step, how many episodes ended for each reason, and the environment's time per step predicted (the
+    plan's) against measured (the median of env_wait_s)."""
+    rows = [row for row in rows if "turns_mean" in row]
+    if not rows:
+        return None
+    from graphrl.ops import END_REASONS
+
+    figures = [{"name": name, "means": means, "value": _mean(metric_value(r, name) for r in rows)}
+               for name, means in EPISODE_FIGURES]
+    ends = {reason: sum(metric_value(r, f"episodes_{reason}") or 0.0 for r in rows) for reason in END_REASONS}
+    waits = sorted(v for r in rows if (v := metric_value(r, "env_wait_s")) is not None)
+    return {"figures": figures, "ends": {k: int(v) for k, v in ends.items() if v}, "steps": len(rows),
+            "predicted_env_s": plan.chosen.estimate.environment_s if plan is not None else None,
+            "measured_env_s": waits[len(waits) // 2] if waits else None}
 
 
 def _mean(values: Iterable[float]) -> float | None:

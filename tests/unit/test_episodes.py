@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -273,3 +274,77 @@ def test_a_template_that_is_not_append_only_is_refused_by_name() -> None:
     codec = ChatCodec(chat_tokenizer(template), chat_template=True, system=None)
     with pytest.raises(EnvProtocolError, match="append-only"):
         codec.reply([{"role": "user", "content": "ok"}], ended=True)
+
+
+# -- planned and costed ---------------------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_echo_tiny.yaml"
+
+
+def compiled(monkeypatch: pytest.MonkeyPatch, *sets: str) -> Any:
+    from graphrl.compiler.compile import compile_job
+    from graphrl.loader import job_cluster, load_job, parse_override
+
+    loaded = load_job(EXAMPLE, [parse_override(s) for s in sets])
+    return compile_job(loaded, job_cluster(loaded, None))
+
+
+def test_the_plan_charges_an_episode_its_turns_tokens_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV cache at max_total_tokens, one generation per turn, and the environment's calls: the job's estimate
+    adds (turns + 1) calls to each episode's critical path, and the preview says so."""
+    monkeypatch.setenv("GRAPHRL_CALIBRATION", "none")
+    from graphrl.compiler.preview import render_text
+
+    free = compiled(monkeypatch)
+    slow = compiled(monkeypatch, "nodes.rollout.env.seconds_per_call=0.25")
+    e = slow.workload.episodes
+    assert (e.turns, e.turn_tokens, e.max_total_tokens, e.seconds_source) == (2, 5, 24, "env.seconds_per_call")
+    assert e.model_tokens == 10 and e.env_tokens == 6  # digit-echo declares 6 tokens a reply
+    assert slow.chosen.estimate.environment_s == pytest.approx(3 * 0.25)
+    gen = lambda plan: plan.chosen.estimate.phases["generate"]  # noqa: E731
+    assert gen(slow) - gen(free) == pytest.approx(0.75, rel=1e-3)  # the phases are rounded
+    text = render_text(slow)
+    assert "16 x 16" not in text and "256 episodes per step" in text and "episodes of up to 2 turns" in text
+    assert "750.00 ms per step is the environment" in text
+    longer = compiled(monkeypatch, "nodes.rollout.env.max_total_tokens=48")
+    assert longer.chosen.placements[1].memory_bytes.kv_cache > slow.chosen.placements[1].memory_bytes.kv_cache
+
+
+def test_calibrate_times_a_jobs_environment_and_the_preview_charges_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphrl.calibration import write_calibration
+    from graphrl.calibration.environments import measure_environment
+    from graphrl.compiler.hardware import this_machine
+    from graphrl.schemas.hardware import HARDWARE_PRESETS
+
+    timing = measure_environment(EXAMPLE, report=lambda line: None)
+    assert timing is not None and timing.env == "digit-echo" and timing.options == '{"turns": 2}'
+    assert timing.calls == 8 * 3 and timing.seconds_per_call > 0  # 8 episodes: a reset and two steps each
+    path = tmp_path / "cpu-local.json"
+    write_calibration(HARDWARE_PRESETS["cpu-local"].model_copy(update={
+        "machine": this_machine(), "environments": (timing.model_copy(update={"seconds_per_call": 0.125}),)}), path)
+    monkeypatch.setenv("GRAPHRL_CALIBRATION", str(path))
+    plan = compiled(monkeypatch)
+    assert plan.workload.episodes.seconds_source == "measured by graphrl calibrate"
+    assert plan.chosen.estimate.environment_s == pytest.approx(3 * 0.125)
+    other = compiled(monkeypatch, "nodes.rollout.env.options.turns=3", "nodes.rollout.env.max_turns=3")
+    assert other.workload.episodes.seconds_source.startswith("declared by DigitEcho")  # other options: not measured
+
+
+def test_a_steps_episode_metrics_from_the_records() -> None:
+    from graphrl.executors.episodes import episode_metrics, episode_sums
+
+    width = len(EPISODE_COLUMNS) + 3
+    record = torch.zeros(3, width)
+    column = {name: i for i, name in enumerate(EPISODE_COLUMNS)}
+    for i, (turns, rewards, end, wait) in enumerate([(2, [0.2, 1.0], "done", 0.1), (3, [0.2, 0.2, 0.0], "max_turns", 0.1),
+                                                     (0, [], "timeout", 0.1)]):
+        record[i, column["turns"]], record[i, column["end"]] = turns, END_REASONS.index(end)
+        record[i, column["env_reward"]], record[i, column["env_wait_s"]] = sum(rewards), wait
+        record[i, len(EPISODE_COLUMNS):len(EPISODE_COLUMNS) + turns] = torch.tensor(rewards)
+    m = episode_metrics(episode_sums(record), replicas=1)
+    assert m["turns_mean"] == pytest.approx(5 / 3) and m["env_reward_mean"] == pytest.approx(1.6 / 3)
+    assert m["env_final_reward_mean"] == pytest.approx(1.0 / 3)  # last turns: 1.0, 0.0 and none
+    assert (m["episodes_done"], m["episodes_max_turns"], m["episodes_timeout"]) == (1, 1, 1)
+    assert m["env_wait_s"] == pytest.approx(0.3)
+    assert episode_metrics(episode_sums(record), replicas=3)["env_wait_s"] == pytest.approx(0.1)
