@@ -116,8 +116,9 @@ class Job:
         return self._add(name, ValueNode, {"rollouts": rollouts}, dict(model=model, **fields))
 
     def reward(self, name: str, *, rollouts: Ref, fn: str | None = None,
-               model: ModelHandle | str | None = None, **fields: Any) -> NodeHandle:
-        return self._add(name, RewardNode, {"rollouts": rollouts}, dict(fn=fn, model=model, **fields))
+               model: ModelHandle | str | None = None, env_rewards: Ref | None = None, **fields: Any) -> NodeHandle:
+        return self._add(name, RewardNode, {"rollouts": rollouts, "env_rewards": env_rewards},
+                         dict(fn=fn, model=model, **fields))
 
     def advantage(self, name: str, estimator: str, *, rewards: Ref, rollouts: Ref,
                   values: Ref | None = None, ref_logprobs: Ref | None = None, old_logprobs: Ref | None = None,

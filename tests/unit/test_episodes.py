@@ -348,3 +348,23 @@ def test_a_steps_episode_metrics_from_the_records() -> None:
     assert (m["episodes_done"], m["episodes_max_turns"], m["episodes_timeout"]) == (1, 1, 1)
     assert m["env_wait_s"] == pytest.approx(0.3)
     assert episode_metrics(episode_sums(record), replicas=3)["env_wait_s"] == pytest.approx(0.1)
+
+
+def test_the_python_builder_declares_the_same_agent_job() -> None:
+    from graphrl.builder import Job
+    from graphrl.loader import load_job
+
+    job = Job("agent_echo_tiny", cluster="local-cpu-1",
+              description="GRPO over two-turn episodes with an environment, tiny policy, digit-echo game, one CPU rank")
+    policy = job.model("policy", preset="tiny-digits-tied", dtype="float32")
+    prompts = job.dataset("prompts", task="digits-copy", batch_size=16, prompt_len=6, options={"num_digits": 4})
+    rollout = job.generate("rollout", policy, prompts=prompts.out("prompts"), samples_per_prompt=16, max_new_tokens=5,
+                           env={"class": "digit-echo", "options": {"turns": 2}, "max_turns": 2,
+                                "max_total_tokens": 24, "timeout_s": 5})
+    assert rollout.outputs == ("rollouts", "env_rewards")
+    adv = job.advantage("adv", "grpo", rewards=rollout.out("env_rewards"), rollouts=rollout.out("rollouts"))
+    job.train("update", policy, loss="grpo", rollouts=rollout.out("rollouts"), advantages=adv.out("advantages"))
+    job.algorithm(lr=1.0e-3, clip_eps=0.2)
+    job.schedule(mode="sync", steps=200)
+    job.run(seed=0)
+    assert job.build() == load_job(EXAMPLE).spec
