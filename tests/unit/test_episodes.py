@@ -144,13 +144,17 @@ class Faulty:
 
 
 class Slow:
-    """Async, and slow for episode 0 only: the others play their turns while it waits."""
+    """Async (reset and step on one event loop), and slow for episode 0 only: the others play their turns while
+    it waits."""
 
     async def reset(self, row: dict[str, Any]) -> str:
         self.index, self.turn = row["index"], 0
+        self.loop = asyncio.get_running_loop()  # as a client session would be bound to it
         return "<bos> 1 2 <sep>"
 
     async def step(self, text: str) -> tuple[str | None, float, bool]:
+        if asyncio.get_running_loop() is not self.loop:
+            raise RuntimeError("step runs on another event loop than reset")
         self.turn += 1
         if self.index == 0:
             await asyncio.sleep(0.3)
@@ -190,7 +194,7 @@ def test_episodes_waiting_for_their_environment_do_not_hold_the_others(user_envs
     assert all(figures(piece, i)["turns"] == 3 and figures(piece, i)["env_reward"] == 1.0 for i in range(4))
     others_last = {turn_seed(3, 0, i, 2) for i in (1, 2, 3)}
     first = next(k for k, batch in enumerate(engine.batches) if turn_seed(3, 0, 0, 1) in batch)
-    assert any(others_last <= batch for batch in engine.batches[:first]), engine.batches
+    assert others_last <= set().union(*engine.batches[:first]), engine.batches  # done before 0's second turn
     assert len(engine.turns) == 12
 
 
@@ -368,3 +372,24 @@ def test_the_python_builder_declares_the_same_agent_job() -> None:
     job.schedule(mode="sync", steps=200)
     job.run(seed=0)
     assert job.build() == load_job(EXAMPLE).spec
+
+
+def test_token_level_estimators_run_over_the_models_tokens_laid_end_to_end() -> None:
+    """GAE and REINFORCE++ on an episode (environment tokens masked between the model's turns) give the model's
+    tokens what they give the same tokens without the environment's between them: the final reward reaches
+    the first turn."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[True, True, False, False, True, True, False], [True, False, True, True, True, False, False]])
+    values, kl, rewards = torch.randn(mask.shape), torch.rand(mask.shape), torch.tensor([1.0, -0.5])
+    gapped = alg.gae(rewards, values, mask, 0.9, 0.8, kl=kl, kl_coef=0.1)
+    gapped_pp = alg.reinforce_pp_advantages(rewards, mask, kl=kl, kl_coef=0.1, gamma=0.9, normalize="none")
+    for i in range(2):
+        keep = mask[i]
+        n = int(keep.sum())
+        dense = torch.ones(1, n, dtype=torch.bool)
+        adv, ret = alg.gae(rewards[i:i + 1], values[i:i + 1, keep], dense, 0.9, 0.8, kl=kl[i:i + 1, keep], kl_coef=0.1)
+        assert torch.allclose(gapped[0][i, keep], adv[0]) and torch.allclose(gapped[1][i, keep], ret[0])
+        pp = alg.reinforce_pp_advantages(rewards[i:i + 1], dense, kl=kl[i:i + 1, keep], kl_coef=0.1, gamma=0.9,
+                                         normalize="none")
+        assert torch.allclose(gapped_pp[i, keep], pp[0])
+    assert bool((gapped[0][~mask] == 0).all()) and gapped[0][0, 0] != 0
