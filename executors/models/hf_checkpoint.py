@@ -216,11 +216,40 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]
     from safetensors.torch import load_file
 
     folder = Path(folder)
+    dims = _folder_dims(folder)
+    state_dict: dict[str, Tensor] = {}
+    for shard in _shard_files(folder):
+        state_dict.update(load_file(str(shard)))
+    return dims, _model_state(folder, dims, state_dict)
+
+
+def check_hf_weights(folder: str | Path) -> None:
+    """What `load_hf_checkpoint` would refuse in a folder's weights (a tensor missing, misshapen or of another
+    architecture), found from the safetensors headers alone: no weight is read."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    dims = _folder_dims(folder)
+    shapes: dict[str, Tensor] = {}
+    for shard in _shard_files(folder):
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                shapes.update({name: torch.empty(f.get_slice(name).get_shape(), device="meta") for name in f.keys()})
+        except Exception as exc:  # noqa: BLE001 - a damaged header fails inside the reader
+            raise _checkpoint_error(folder, f"{shard.name} is not a readable safetensors file ({exc})",
+                                    "download it again (or run `graphrl import` again)") from None
+    _model_state(folder, dims, shapes)
+
+
+def _folder_dims(folder: Path) -> ModelDims:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise _checkpoint_error(folder, "has no config.json", "point `checkpoint` at a Hugging Face model folder")
-    dims = dims_from_hf_config(json.loads(config_path.read_text()))
+    return dims_from_hf_config(json.loads(config_path.read_text()))
 
+
+def _shard_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: those its index names, or every one."""
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
@@ -231,10 +260,12 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]
         raise _checkpoint_error(
             folder, "has no *.safetensors weights", "convert the checkpoint with save_pretrained(safe_serialization=True)"
         )
-    state_dict: dict[str, Tensor] = {}
-    for shard in shard_files:
-        state_dict.update(load_file(str(shard)))
+    return shard_files
 
+
+def _model_state(folder: Path, dims: ModelDims, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A checkpoint's tensors as the model names and holds them (experts stacked, a tied head and old buffers
+    dropped), refused by the first tensor that differs from what config.json implies."""
     state_dict = stack_experts({k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}, dims)
     if dims.tie_embeddings:
         state_dict.pop("lm_head.weight", None)
@@ -242,7 +273,7 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelDims, dict[str, Tensor]
     if (problem := state_mismatch(expected, state_dict)) is not None:
         raise _checkpoint_error(folder, f"weights do not match config.json: {problem}",
                                 "use an unmodified checkpoint (its config.json and weights from the same source)")
-    return dims, {name: state_dict[name] for name in expected}
+    return {name: state_dict[name] for name in expected}
 
 
 def state_mismatch(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, Any]) -> str | None:

@@ -17,8 +17,8 @@ from torch import Tensor
 
 from graphrl.errors import DataError, GraphRLError
 from graphrl.executors.models.llama import param_shapes
-from graphrl.executors.models.hf_checkpoint import (dims_from_hf_config, load_hf_checkpoint, stack_experts,
-                                                      state_mismatch)
+from graphrl.executors.models.hf_checkpoint import (check_hf_weights, dims_from_hf_config, load_hf_checkpoint,
+                                                      stack_experts, state_mismatch)
 from graphrl.schemas.model import ModelDims
 
 
@@ -71,7 +71,8 @@ def checkpoint_dims(path: str | Path) -> ModelDims:
 
 def check_checkpoint(path: str | Path) -> ModelDims:
     """What a rank loading `path` would refuse, found without reading its weights: its config.json (or GGUF
-    metadata) read into dimensions, and a folder's safetensors files present (every shard its index names)."""
+    metadata) read into dimensions, a folder's safetensors files present (every shard its index names), and
+    every tensor in their headers the shape config.json implies."""
     path = Path(path)
     dims = checkpoint_dims(path)
     if is_gguf(path):
@@ -90,6 +91,7 @@ def check_checkpoint(path: str | Path) -> ModelDims:
     elif not any(path.glob("*.safetensors")):
         raise DataError(f"checkpoint {path} has no *.safetensors weights",
                         fix="download the weights beside config.json, or convert the model with `graphrl import`")
+    check_hf_weights(path)
     return dims
 
 

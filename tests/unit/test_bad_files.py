@@ -172,6 +172,21 @@ def test_a_checkpoint_without_weights_is_refused_at_validate(tmp_path, model_fol
     _refused(_job(tmp_path, folder), ": models.policy.checkpoint: ", "has no *.safetensors weights", "fix: download")
 
 
+def test_weights_that_differ_from_the_config_are_refused_at_validate(tmp_path, model_folder) -> None:
+    """A checkpoint whose tensors do not fit its config.json (here: another model's weights beside it) passed
+    validate and the preview; a rank refused it loading the weights. Read from the safetensors headers alone."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(model_folder, tmp_path)
+    weights = load_file(str(folder / "model.safetensors"))
+    name = next(n for n in weights if n.endswith("mlp.down_proj.weight"))
+    weights[name] = weights[name][:, :-1].contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _rows(tmp_path / "train.jsonl", GOOD_ROWS)
+    _refused(_job(tmp_path, folder), ": models.policy.checkpoint: ", f"{name} has shape",
+             "fix: use an unmodified checkpoint")
+
+
 def test_a_file_dataset_on_a_preset_model_is_refused_at_validate(tmp_path) -> None:
     """A file dataset whose generating model is a preset (no checkpoint, so no tokenizer) passed validate; the
     rank refused it when it started."""
