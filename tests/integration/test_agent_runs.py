@@ -36,8 +36,13 @@ def run(out: Path, *sets: str, example: Path = EXAMPLE, steps: int = STEPS) -> t
     return result.output.splitlines()[0], [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_episodes_sampled_on_one_rank_train_on_another_as_on_one_rank(tmp_path: Path) -> None:
-    _, single = run(tmp_path / "single")
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The example's episodes sampled and trained on one rank: what every other layout must give."""
+    return run(tmp_path_factory.mktemp("single"))[1]
+
+
+def test_episodes_sampled_on_one_rank_train_on_another_as_on_one_rank(tmp_path: Path, single: list[dict]) -> None:
     label, split = run(tmp_path / "split", "cluster=local-cpu-2", "placement.strategy=disaggregated",
                        "placement.roles.policy/generate.devices=0-0", "placement.roles.policy.devices=1-1")
     assert "disaggregated" in label or "gen[" in label, label
@@ -60,8 +65,7 @@ def test_episodes_sampled_on_one_rank_train_on_another_as_on_one_rank(tmp_path: 
     assert "episodes by how they ended" in report.render_text() and "<h2>Episodes" in report.render_html()
 
 
-def test_a_tp2_generator_replica_runs_the_episodes_on_its_first_rank(tmp_path: Path) -> None:
-    _, single = run(tmp_path / "single")
+def test_a_tp2_generator_replica_runs_the_episodes_on_its_first_rank(tmp_path: Path, single: list[dict]) -> None:
     label, tp = run(tmp_path / "tp", "cluster=local-cpu-2", "placement.strategy=colocated",
                     "placement.roles.policy/generate.tp=2")
     assert "gen[tp2x" in label, label
