@@ -230,9 +230,9 @@ def _measured(spec: GenerateNode) -> float | None:
 
 
 def episode_shape(spec: GenerateNode, response_len: int, measured_seconds: float | None = None) -> EpisodeShape | None:
-    """The episodes of a generate node with an environment, as charged: its estimates from the job, else the
-    class's declared ones, else a `graphrl calibrate` measurement (`measured_seconds`), else no environment time
-    and replies sharing the room the turns leave."""
+    """The episodes of a generate node with an environment, as charged: a call's seconds from the job, else a
+    `graphrl calibrate` measurement (`measured_seconds`), else the class's declaration, else none; a reply's
+    tokens from the job, else the class's declaration, else an even share of the room the turns leave."""
     env = spec.env
     if env is None:
         return None

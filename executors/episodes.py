@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from graphrl.datasets import left_padded
 from graphrl.envs import EnvProtocolError, Message, class_mismatch, env_class, messages_of, step_result
 from graphrl.ops import END_REASONS, EPISODE_COLUMNS, EPISODE_FIELD, LOSS_MASK_FIELD, episode_width
 from graphrl.schemas.job import EnvSpec
@@ -93,7 +94,9 @@ class ChatCodec:
             tail = rendered[rendered.rindex(self._ASSISTANT) + len(self._ASSISTANT):]
             self._base, self._tail = rendered, tail
             # The stop token the model ends its turn with is part of the template's tail: the model sampled it.
-            eos = tokenizer.convert_ids_to_tokens(sorted(_ends(tokenizer)))
+            from graphrl.models.tokenizer import stop_token_ids
+
+            eos = tokenizer.convert_ids_to_tokens(stop_token_ids(tokenizer))
             self.stop_text = next((t for t in eos if t and tail.startswith(t)), "")
 
     def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:
@@ -122,17 +125,8 @@ class ChatCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def _ends(tokenizer: Any) -> set[int]:
-    from graphrl.models.tokenizer import stop_token_ids
-
-    return set(stop_token_ids(tokenizer))
-
-
 class DigitCodec:
-    """The digit tasks' vocabulary as words (`graphrl.envs.games.digit_text`)."""
-
-    def __init__(self, sep: int) -> None:
-        self.sep = sep
+    """The digit tasks' vocabulary as words (`graphrl.envs.games.digit_text`; an id without a word is `<id>`)."""
 
     def prompt(self, messages: list[Message]) -> list[int]:
         from graphrl.envs.games import digit_ids
@@ -229,7 +223,6 @@ class Episode:
     error: str = ""
     calls: int = 0  # environment calls made: a late result of an abandoned call is ignored
     deadline: float | None = None  # of the call in flight
-    last_text: str = ""
 
     @property
     def ready(self) -> bool:
@@ -284,7 +277,6 @@ class EpisodeRunner:
 
     def __init__(self, settings: EpisodeSettings, codec: TurnCodec) -> None:
         self.s, self.codec = settings, codec
-        self.replica: Replica | None = None
         self.failures: list[dict[str, Any]] = []  # the last run's failed episodes: why each ended
         self.cls = env_class(settings.env.cls)
         problem = class_mismatch(self.cls, dict(settings.env.options))
@@ -299,7 +291,6 @@ class EpisodeRunner:
         engine generates with it) and then the episodes."""
         if replica is not None and not replica.leads:
             return self._follow(engine, replica, len(rows), step=step, version=version, device=prompt_ids.device)
-        self.replica = replica
         s, calls, waited = self.s, EnvCalls(), 0.0
         episodes = [Episode(start + i, row, prompt_ids[i][prompt_mask[i].bool()].tolist()) for i, row in enumerate(rows)]
         options = dict(s.env.options)
@@ -308,7 +299,7 @@ class EpisodeRunner:
         while any(e.reason is None for e in episodes):
             ready = [e for e in episodes if e.ready]
             if ready:
-                self._turn(engine, ready, calls, step=step, version=version, device=prompt_ids.device)
+                self._turn(engine, ready, calls, replica, step=step, version=version, device=prompt_ids.device)
                 continue
             now = time.perf_counter()
             deadline = min(e.deadline for e in episodes if e.deadline is not None)
@@ -398,22 +389,18 @@ class EpisodeRunner:
             e.end("bad_return", f"{type(exc).__name__}: {str(exc).strip()[:200]}")
         return None
 
-    def _turn(self, engine: GenerationEngine, ready: list[Episode], calls: EnvCalls, *, step: int, version: int,
-              device: torch.device) -> None:
+    def _turn(self, engine: GenerationEngine, ready: list[Episode], calls: EnvCalls, replica: Replica | None, *,
+              step: int, version: int, device: torch.device) -> None:
         """One model turn of every ready episode, sampled as one batch; then each one's environment step."""
         s = self.s
         contexts = [e.prompt + e.tokens for e in ready]
         width = max(len(c) for c in contexts)
-        ids = torch.full((len(ready), width), s.pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(ready), width), dtype=torch.bool)
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c):] = torch.tensor(c, dtype=torch.int64)
-            mask[i, width - len(c):] = True
+        ids, mask = left_padded(contexts, width, s.pad_id)
         seeds = tuple(turn_seed(s.seed, step, e.index, e.turns) for e in ready)
-        if self.replica is not None:  # the replica's other ranks generate the same turn
-            self.replica.broadcast(torch.tensor([len(ready), width], dtype=torch.int64))
+        if replica is not None:  # the replica's other ranks generate the same turn
+            replica.broadcast(torch.tensor([len(ready), width], dtype=torch.int64))
             for t in (ids, mask, torch.tensor(seeds, dtype=torch.int64)):
-                self.replica.broadcast(t)
+                replica.broadcast(t)
         request = GenerationRequest(ids.to(device), mask.to(device), s.turn_tokens, s.temperature, s.top_p, s.stop_ids,
                                     s.pad_id, s.seed, step, 0, version, row_seeds=seeds)
         piece = engine.generate(request)
@@ -425,24 +412,21 @@ class EpisodeRunner:
             e.model += [True] * n
             e.logprobs += out_lp[i, :n].tolist()
             e.turns += 1
-            e.last_text = self.codec.text([t for t in turn if t not in s.stop_ids])
+            text = self.codec.text([t for t in turn if t not in s.stop_ids])
             # Every turn is scored, the last one too (`_returned` ends an episode that has no room left).
-            self._call(calls, e, lambda env=e.env, text=e.last_text: env.step(text))
+            self._call(calls, e, lambda env=e.env, text=text: env.step(text))
 
     def _piece(self, episodes: list[Episode], version: int, device: torch.device,
                waited: float = 0.0) -> dict[str, Tensor]:
         s, n = self.s, len(episodes)
-        prompt_ids = torch.full((n, s.prompt_len), s.pad_id, dtype=torch.int64)
-        prompt_mask = torch.zeros((n, s.prompt_len), dtype=torch.bool)
+        prompt_ids, prompt_mask = left_padded([e.prompt for e in episodes], s.prompt_len, s.pad_id)
         response_ids = torch.full((n, s.response_len), s.pad_id, dtype=torch.int64)
         response_mask = torch.zeros((n, s.response_len), dtype=torch.bool)
         loss_mask = torch.zeros((n, s.response_len), dtype=torch.bool)
         logprobs = torch.zeros((n, s.response_len), dtype=torch.float32)
         stats = torch.zeros((n, episode_width(s.env)), dtype=torch.float32)
         for i, e in enumerate(episodes):
-            p, t = len(e.prompt), len(e.tokens)
-            prompt_ids[i, s.prompt_len - p:] = torch.tensor(e.prompt, dtype=torch.int64)
-            prompt_mask[i, s.prompt_len - p:] = True
+            t = len(e.tokens)
             if t:
                 response_ids[i, :t] = torch.tensor(e.tokens, dtype=torch.int64)
                 response_mask[i, :t] = True
@@ -471,9 +455,7 @@ def codec_of(source: Any, dataset: Any) -> TurnCodec:
     """The codec of a prompt source: a file dataset's tokenizer (and chat template), or the digit words."""
     tokenizer = getattr(source, "tokenizer", None)
     if tokenizer is None:
-        from graphrl.tasks import SEP
-
-        return DigitCodec(SEP)
+        return DigitCodec()
     return ChatCodec(tokenizer, chat_template=dataset.chat_template, system=dataset.system_prompt)
 
 

@@ -388,12 +388,11 @@ class RankExecutor:
         if spec.env is None:
             piece = self.engines[ins.role].generate(request)
         else:
-            piece = self._episodes().run(self.engines[ins.role], prompt_ids, prompt_mask,
-                                         episode_rows(self.source, self._episodes().codec, ins.step, ins.start,
-                                                      ins.stop, g),
-                                         step=ins.step, start=ins.start, version=ins.version,
-                                         replica=self._replica(role))
-            self.env_errors.write(self._episodes().failures)
+            runner = self._episodes()
+            piece = runner.run(self.engines[ins.role], prompt_ids, prompt_mask,
+                               episode_rows(self.source, runner.codec, ins.step, ins.start, ins.stop, g),
+                               step=ins.step, start=ins.start, version=ins.version, replica=self._replica(role))
+            self.env_errors.write(runner.failures)
         self.pieces.setdefault(ins.step, []).append((ins.start, ins.stop, piece))
 
     def _replica(self, role: RoleState) -> Replica | None:
@@ -481,8 +480,7 @@ class RankExecutor:
         spec = self.nodes[ins.node].spec
         # Text only where it is read: every response for answer rules, the step's samples otherwise.
         responses = self.source.decode(r["response_ids"], self._answer_mask(r)) if spec.rules else None
-        examples = self.source.examples(ins.step)
-        answers = None if examples is None else [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)]
+        answers = self._answers(ins)
         if spec.rules:
             assert answers is not None and responses is not None  # typecheck: answer rules need a file dataset
             try:
@@ -523,19 +521,27 @@ class RankExecutor:
         check_rewards(rewards, f"reward node {ins.node!r} ({made_by})", ins.step, ins.start,
                       lambda i: self.source.decode(r["prompt_ids"][i:i + 1], r["prompt_mask"][i:i + 1])[0])
         self.values[(ins.step, ins.node, "rewards")] = rewards
-        self._scored(ins, r, rewards, answers)
+        self._scored(ins, r, rewards, answers, responses)
+
+    def _answers(self, ins: Reward | Advantage) -> list[str] | None:
+        """The dataset's answer of each response [start, stop) of the step (None for a task dataset)."""
+        examples = self.source.examples(ins.step)
+        return None if examples is None else [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)]
 
     def _answer_mask(self, r: dict[str, Tensor]) -> Tensor:
         """The tokens an answer rule reads: the response, or an episode's last model turn."""
         return r["response_mask"] if LOSS_MASK_FIELD not in r else last_turn_mask(r[LOSS_MASK_FIELD])
 
-    def _scored(self, ins: Reward | Advantage, r: dict[str, Tensor], rewards: Tensor, answers: list[str] | None) -> None:
+    def _scored(self, ins: Reward | Advantage, r: dict[str, Tensor], rewards: Tensor, answers: list[str] | None,
+                responses: list[str] | None = None) -> None:
         """A step's rewards of responses [start, stop): counted for the step's metrics, and the first responses
-        of each step written to samples.jsonl (once, whichever rank scores them)."""
+        of each step written to samples.jsonl (once, whichever rank scores them; `responses`: their text, where
+        an answer rule decoded it already)."""
         if ins.start == 0:
             n = min(self.samples.per_step, ins.stop - ins.start)
             prompts = self.source.decode(r["prompt_ids"][:n], r["prompt_mask"][:n])
-            shown = self.source.decode(r["response_ids"][:n], self._answer_mask(r)[:n])
+            shown = responses[:n] if responses is not None else self.source.decode(r["response_ids"][:n],
+                                                                                    self._answer_mask(r)[:n])
             self.samples.write(ins.step, int(r["version"].item()), prompts, shown, rewards[:n].tolist(),
                                training.loss_mask(r)[:n].sum(1).tolist(), None if answers is None else answers[:n],
                                episode_samples(self.source, r, n) if EPISODE_FIELD in r else None)
@@ -549,9 +555,7 @@ class RankExecutor:
         rewards = self.read(ins, "rewards")
         r = self.read(ins, "rollouts")
         if self.nodes[ins.node].inputs["rewards"].op == "generate":  # an environment's rewards, taken directly
-            examples = self.source.examples(ins.step)
-            self._scored(ins, r, rewards, None if examples is None else
-                         [examples[i // self.group_size].answer for i in range(ins.start, ins.stop)])
+            self._scored(ins, r, rewards, self._answers(ins))
         values = self.read(ins, "values") if ESTIMATORS[spec.estimator].needs_values else None
         kl = None
         if a.kl_in == "reward" and a.kl_coef > 0:  # typecheck: the node reads the reference's log-probs

@@ -69,16 +69,34 @@ class MetricsWriter:
             self._tb.close()
 
 
-class SamplesWriter:
+class _JsonLines:
+    """A run folder's JSON-lines file, opened (for appending) at its first line, closed with the run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = None
+
+    def _write(self, row: dict[str, Any]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(json_line(row))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class SamplesWriter(_JsonLines):
     """`samples.jsonl`: a few rollouts per step as text (prompt, response, reward, weight version), so a
     person can read what the policy does, and each response's length in tokens (`response_tokens`), so a
     later job can take the run's measured lengths (`response_tokens: {from: RUN_DIR}`). Written by the
     rank that scores a step's first responses."""
 
     def __init__(self, out_dir: Path, per_step: int) -> None:
-        self.path = out_dir / "samples.jsonl"
+        super().__init__(out_dir / "samples.jsonl")
         self.per_step = per_step
-        self._file = None
 
     def write(self, step: int, version: int, prompts: list[str], responses: list[str], rewards: list[float],
               response_tokens: list[int], answers: list[str] | None,
@@ -87,9 +105,6 @@ class SamplesWriter:
         `response` is its last model turn, `response_tokens` its model tokens."""
         if self.per_step == 0:
             return
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
         for i, (prompt, response, reward, tokens) in enumerate(zip(prompts, responses, rewards, response_tokens)):
             row = {"step": step, "index": i, "weight_version": version, "reward": reward, "prompt": prompt,
                    "response": response, "response_tokens": tokens}
@@ -97,36 +112,21 @@ class SamplesWriter:
                 row["answer"] = answers[i]
             if episodes is not None:
                 row.update(episodes[i])
-            self._file.write(json_line(row))
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+            self._write(row)
 
 
-class EnvErrorsWriter:
+class EnvErrorsWriter(_JsonLines):
     """`env_errors.jsonl`: each episode an environment failure ended (a timeout, an exception, a return the
     protocol refuses, a first message longer than prompt_len), with its step, response index and the reason in
     words, at most `per_step` a step. Written by the generator ranks (one line each, appended)."""
 
     def __init__(self, out_dir: Path, rank: int, per_step: int = 16) -> None:
-        self.path, self.rank, self.per_step = out_dir / "env_errors.jsonl", rank, per_step
-        self._file = None
+        super().__init__(out_dir / "env_errors.jsonl")
+        self.rank, self.per_step = rank, per_step
 
     def write(self, failures: list[dict[str, Any]]) -> None:
-        if not failures:
-            return
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
         for row in failures[:self.per_step]:
-            self._file.write(json_line({**row, "rank": self.rank}))
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+            self._write({**row, "rank": self.rank})
 
 
 def checkpoint_folders(out_dir: Path, step: int) -> tuple[Path, Path]:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from graphrl.rewards import numeric_answer
+from graphrl.envs.tools import ToolTask
 
 MAX_EXPONENT = 64
 """Largest |exponent| of `**`."""
@@ -113,7 +113,7 @@ def format_number(value: Number) -> str:
     return format(value, ".12g")
 
 
-class Calculator:
+class Calculator(ToolTask):
     """Arithmetic word problems with a calculator tool: `<calc>EXPRESSION</calc>` calls, then a numeric answer.
 
     Each call is one step with reward 0 and the observation `Result: VALUE` (or `error: ...`); a turn without a
@@ -126,6 +126,7 @@ class Calculator:
     each call the calculator evaluates (a shaping reward: the episode's reward is their sum plus the answer's).
     """
 
+    calls_left_name = "calculator calls"
     seconds_per_call = 0.00002  # one call measured at about 17 µs
     observation_tokens = 8
 
@@ -139,12 +140,9 @@ class Calculator:
             raise ValueError(f"calculator option examples={examples} is not between 0 and {len(_EXAMPLES)}")
         self.examples, self.call_reward = examples, float(call_reward)
         self.tag = tag
-        self.max_calls = max_calls
+        super().__init__(max_calls)
         self.instructions = DEFAULT_INSTRUCTIONS.format(tag=tag) if instructions is None else instructions
         self._call = re.compile(rf"<{re.escape(tag)}>(.*?)(?:</{re.escape(tag)}>|\Z)", re.DOTALL)
-        self._answer: str | None = None
-        self.tool_calls = 0
-        self.tool_errors = 0
 
     def reset(self, row: dict) -> str | list[dict[str, str]]:
         self._answer = row.get("answer")
@@ -159,22 +157,15 @@ class Calculator:
         shown[0]["content"] += f"\n\n{self.instructions}"
         return shown + [{"role": "user", "content": row["prompt"]}]
 
-    def step(self, text: str) -> tuple[str | None, float, bool]:
+    def find_call(self, text: str) -> str | None:
         call = self._call.search(text)
-        if call is None:
-            reward = numeric_answer(text, self._answer) if self._answer is not None else 0.0
-            return None, reward, True
-        self.tool_calls += 1
-        if self.tool_calls > self.max_calls:
-            self.tool_errors += 1
-            return f"error: no calculator calls left ({self.max_calls} used); give the final answer as a number", \
-                0.0, False
+        return None if call is None else call.group(1)
+
+    def run(self, call: str) -> tuple[str, bool, float]:
         try:
-            result = evaluate(call.group(1))
+            return f"Result: {format_number(evaluate(call))}", True, self.call_reward
         except CalcError as exc:
-            self.tool_errors += 1
-            return f"error: {exc}", 0.0, False
-        return f"Result: {format_number(result)}", self.call_reward, False
+            return f"error: {exc}", False, 0.0
 
 
 # Worked exchanges `examples` shows before the problem: a question and the expression that answers it.

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphrl.rewards import numeric_answer
+from graphrl.envs.tools import ToolTask
 
 FILE_LIMIT_BYTES = 1 << 20
 """Largest file the code may write, its captured output included (writing more fails with EFBIG)."""
@@ -127,7 +127,7 @@ def _clipped(text: str, max_chars: int) -> str:
     return f"{text[:head]}\n... [{len(text) - max_chars} characters cut] ...\n{text[len(text) - tail:]}"
 
 
-class PythonTool:
+class PythonTool(ToolTask):
     """Problems solved with a Python interpreter: ```python blocks run, then a numeric answer.
 
     Each block is one step with reward 0 and the observation `Output:` and what the code printed, or `error: ...`
@@ -138,6 +138,7 @@ class PythonTool:
     a package that starts threads fails: the code may start no processes or threads).
     """
 
+    calls_left_name = "Python runs"
     seconds_per_call = 0.02  # a fresh interpreter without site: about 20 ms
     observation_tokens = 40
 
@@ -152,32 +153,22 @@ class PythonTool:
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
         self.max_output_chars = int(max_output_chars)
-        self.max_calls = int(max_calls)
+        super().__init__(int(max_calls))
         self.site_packages = bool(site_packages)
         self.instructions = DEFAULT_INSTRUCTIONS if instructions is None else instructions
-        self._answer: str | None = None
-        self.tool_calls = 0
-        self.tool_errors = 0
 
     def reset(self, row: dict) -> str:
         self._answer = row.get("answer")
         return f"{row['prompt']}\n\n{self.instructions}"
 
-    def step(self, text: str) -> tuple[str | None, float, bool]:
+    def find_call(self, text: str) -> str | None:
         block = _BLOCK.search(text)
-        if block is None:
-            reward = numeric_answer(text, self._answer) if self._answer is not None else 0.0
-            return None, reward, True
-        self.tool_calls += 1
-        if self.tool_calls > self.max_calls:
-            self.tool_errors += 1
-            return f"error: no Python runs left ({self.max_calls} used); give the final answer as a number", \
-                0.0, False
-        outcome = run_python(block.group(1), timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+        return None if block is None else block.group(1)
+
+    def run(self, call: str) -> tuple[str, bool, float]:
+        outcome = run_python(call, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                              max_output_chars=self.max_output_chars, site_packages=self.site_packages)
-        if not outcome.ok:
-            self.tool_errors += 1
-        return outcome.observation, 0.0, False
+        return outcome.observation, outcome.ok, 0.0
 
 
 __all__ = ["PythonTool", "CodeRun", "run_python"]

@@ -57,7 +57,7 @@ def digit_prompts(n: int) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, An
     ids = torch.full((n, P), PAD)
     ids[:, 1:] = torch.tensor([10, 1, 2, 3, 4, SEP])[:P - 1]
     mask = ids != PAD
-    codec = DigitCodec(SEP)
+    codec = DigitCodec()
     rows = [{"prompt": codec.text(ids[i][mask[i]].tolist()), "answer": None, "system": None, "index": i}
             for i in range(n)]
     return ids, mask, rows
@@ -77,7 +77,7 @@ def test_the_tokens_trained_on_are_those_sampled_and_the_replies_appended() -> N
     reply tokens between them (the digit words of its next target); the loss mask and the behaviour log-probs
     mark the sampled ones only; later turns are sampled from seeds of their own."""
     engine = Recording(NativeEngine(tiny_model()))
-    runner = EpisodeRunner(settings({"class": "digit-echo", "options": {"turns": 3}, "max_turns": 3}), DigitCodec(SEP))
+    runner = EpisodeRunner(settings({"class": "digit-echo", "options": {"turns": 3}, "max_turns": 3}), DigitCodec())
     piece = run(runner, engine, 4)
     by_seed = {seed: (tokens, lp) for seed, tokens, lp in engine.turns}
     for i in range(4):
@@ -172,7 +172,7 @@ def user_envs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_hanging_raising_or_garbage_environment_costs_only_its_episode(user_envs: None) -> None:
-    runner = EpisodeRunner(settings({"class": "user_envs_for_tests:Faulty", "timeout_s": 0.5}), DigitCodec(SEP))
+    runner = EpisodeRunner(settings({"class": "user_envs_for_tests:Faulty", "timeout_s": 0.5}), DigitCodec())
     piece = run(runner, NativeEngine(tiny_model()), 6)
     ends = [END_REASONS[int(figures(piece, i)["end"])] for i in range(6)]
     assert ends == ["timeout", "error", "bad_return", "error", "done", "done"]
@@ -189,7 +189,7 @@ def test_episodes_waiting_for_their_environment_do_not_hold_the_others(user_envs
     """While episode 0's (async) environment sleeps, the others are sampled their later turns without it: it
     takes some turns alone."""
     engine = Recording(NativeEngine(tiny_model()))
-    runner = EpisodeRunner(settings({"class": "user_envs_for_tests:Slow", "max_turns": 3}), DigitCodec(SEP))
+    runner = EpisodeRunner(settings({"class": "user_envs_for_tests:Slow", "max_turns": 3}), DigitCodec())
     piece = run(runner, engine, 4)
     assert all(figures(piece, i)["turns"] == 3 and figures(piece, i)["env_reward"] == 1.0 for i in range(4))
     others_last = {turn_seed(3, 0, i, 2) for i in (1, 2, 3)}
@@ -200,7 +200,7 @@ def test_episodes_waiting_for_their_environment_do_not_hold_the_others(user_envs
 
 def test_a_reply_that_overflows_the_episode_ends_it_at_the_token_limit() -> None:
     runner = EpisodeRunner(settings({"class": "digit-echo", "options": {"turns": 4}, "max_turns": 4,
-                                     "max_total_tokens": P + 12}, response_len=12), DigitCodec(SEP))
+                                     "max_total_tokens": P + 12}, response_len=12), DigitCodec())
     piece = run(runner, NativeEngine(tiny_model()), 3)
     for i in range(3):
         f = figures(piece, i)
@@ -209,7 +209,7 @@ def test_a_reply_that_overflows_the_episode_ends_it_at_the_token_limit() -> None
 
 
 def test_the_last_turn_and_the_samples_show_the_episode() -> None:
-    runner = EpisodeRunner(settings({"class": "digit-echo", "options": {"turns": 2}, "max_turns": 2}), DigitCodec(SEP))
+    runner = EpisodeRunner(settings({"class": "digit-echo", "options": {"turns": 2}, "max_turns": 2}), DigitCodec())
     piece = run(runner, NativeEngine(tiny_model()), 2)
 
     class Source:
