@@ -108,6 +108,7 @@ def _reward_step(fn: str, step: int, start: int, stop: int) -> RunError:
     node = SimpleNamespace(spec=RewardNode(fn=fn, inputs={"rollouts": "rollout.rollouts"}))
     rank = SimpleNamespace(read=lambda ins, port: rows, nodes={"score": node}, group_size=2,
                            source=SimpleNamespace(examples=lambda step: None))
+    rank._answers = lambda ins: RankExecutor._answers(rank, ins)  # type: ignore[arg-type]
     with pytest.raises(RunError) as raised:
         RankExecutor.reward(rank, Reward(step=step, node="score", role="", start=start, stop=stop, group=""))  # type: ignore[arg-type]
     return raised.value
