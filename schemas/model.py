@@ -218,6 +218,48 @@ MODEL_PRESETS: dict[str, ModelDims] = {
 }
 
 
+# The projections LoRA adapters may wrap, by their module's last name; `all-linear` is every one a model
+# has (the attention's four, the dense feed-forward's three, a shared expert's three), never the output head,
+# the embedding, a router or the stacked routed experts.
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(Frozen):
+    """Low-rank adapters on a trained model (Hu et al., 2021): each targeted projection W x becomes
+    W x + (alpha / rank) B A x with A [rank, in] and B [out, rank]; W is frozen, only A and B train."""
+
+    rank: Integer = Field(gt=0, description="Rank r of every adapter (A: r x in, B: out x r).")
+    alpha: Real = Field(default=0.0, ge=0, description="Scale numerator: the update is (alpha / rank) B A x; "
+                        "0 (the default) means alpha = 2 * rank.")
+    dropout: Real = Field(default=0.0, ge=0, lt=1, description="Dropout on an adapter's input while training.")
+    targets: Literal["all-linear"] | tuple[str, ...] = Field(
+        default="all-linear", description=f"Projections that get adapters, by name ({', '.join(LORA_TARGETS)}), "
+        "or 'all-linear' for every one the model has.")
+    base_reference: Boolean = Field(
+        default=True, description="A frozen model of this job initialised from this one (init_from) runs as this "
+        "model's base with the adapters switched off: no second copy of the weights. false: it keeps its own copy.")
+
+    @model_validator(mode="after")
+    def _known_targets(self) -> "LoraSpec":
+        if isinstance(self.targets, tuple):
+            if not self.targets:
+                raise ValueError("targets is empty; name projections or use 'all-linear'")
+            unknown = [t for t in self.targets if t not in LORA_TARGETS]
+            if unknown:
+                raise ValueError(f"unknown LoRA target {unknown[0]!r}; targets are projections: "
+                                 f"{', '.join(LORA_TARGETS)}, or 'all-linear'")
+        return self
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank, the factor on B A x."""
+        return (self.alpha or 2.0 * self.rank) / self.rank
+
+    def wraps(self, module: str) -> bool:
+        """Whether the projection `module` (its last name, e.g. `q_proj`) gets an adapter."""
+        return module in LORA_TARGETS and (self.targets == "all-linear" or module in self.targets)
+
+
 class ModelSpec(Frozen):
     """One set of weights: its architecture, its dtype, and where to load it from (if anywhere)."""
 
@@ -235,6 +277,9 @@ class ModelSpec(Frozen):
         default=None,
         description="Start from the same weights as another model of this job (e.g. reference = policy).",
     )
+    lora: LoraSpec | None = Field(
+        default=None, description="Train low-rank adapters instead of the weights (a trained model only): the base "
+        "is frozen, optimizer state is the adapters', weight syncs move the adapters alone.")
 
     @model_validator(mode="after")
     def _one_architecture(self) -> "ModelSpec":

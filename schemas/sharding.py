@@ -33,7 +33,7 @@ from math import prod
 from typing import Callable, Literal, Mapping, Sequence
 
 from graphrl.schemas.mesh import LayoutError, Mesh, MeshAxis
-from graphrl.schemas.model import ModelDims
+from graphrl.schemas.model import LoraSpec, ModelDims
 
 # A region of a full tensor as half-open (start, stop) pairs, one per tensor dim.
 Region = tuple[tuple[int, int], ...]
@@ -389,6 +389,50 @@ def llama_param_count(dims: ModelDims, head: Head = "lm") -> int:
     return dims.num_layers * llama_layer_param_count(dims) + sum(prod(m.shape(dims)) for m in outer)
 
 
+# LoRA adapters (`LoraSpec`): a targeted projection `<module>` gains `<module>.lora_A.weight` [rank, in] and
+# `<module>.lora_B.weight` [out, rank] (the names the PEFT library saves), cut by tp so that each rank's
+# adapter acts on what its base shard sees: a column-parallel base keeps A whole and cuts B's rows; a
+# row-parallel one cuts A's columns (its input) and keeps B whole, and its partial products are summed by
+# the base's own all-reduce.
+LORA_A, LORA_B = "lora_A", "lora_B"
+_LORA_SPLIT: dict[tuple[TpStyle, str], int | None] = {
+    (TpStyle.COLWISE, LORA_A): None, (TpStyle.COLWISE, LORA_B): 0,
+    (TpStyle.ROWWISE, LORA_A): 1, (TpStyle.ROWWISE, LORA_B): None,
+}
+
+
+@functools.cache
+def lora_modules(dims: ModelDims, lora: LoraSpec) -> tuple[tuple[str, int, int, int], ...]:
+    """(full module name, layer, in features, out features) of every projection that gets an adapter."""
+    out = []
+    for name, spec, layer in llama_modules(dims):
+        last = name.split(".")[-1]
+        if spec.bare or layer is None or not lora.wraps(last):
+            continue
+        rows, cols = spec.shape(dims)
+        out.append((name, layer, cols, rows))
+    return tuple(out)
+
+
+def lora_params(dims: ModelDims, lora: LoraSpec) -> list[ParamInfo]:
+    """The adapters' parameters in checkpoint order: per targeted projection, A then B."""
+    return [p for name, layer, cols, rows in lora_modules(dims, lora)
+            for p in (ParamInfo(f"{name}.{LORA_A}.weight", (lora.rank, cols), layer, dims.num_layers),
+                      ParamInfo(f"{name}.{LORA_B}.weight", (rows, lora.rank), layer, dims.num_layers))]
+
+
+@functools.cache
+def lora_param_count(dims: ModelDims, lora: LoraSpec) -> int:
+    """Parameters of all adapters: rank * (in + out) per targeted projection."""
+    return sum(lora.rank * (cols + rows) for _, _, cols, rows in lora_modules(dims, lora))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a HF-named parameter is a LoRA adapter's (`...q_proj.lora_A.weight`)."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[-2] in (LORA_A, LORA_B)
+
+
 def tp_style(name: str) -> TpStyle:
     """The tensor-parallel style of a HF-named Llama parameter (`model.layers.3.mlp.up_proj.weight`)."""
     module, _ = _module_and_kind(name)
@@ -403,6 +447,9 @@ def tp_style(name: str) -> TpStyle:
 
 def tp_split_dim(name: str) -> int | None:
     """The tensor dim the tp axis cuts of a HF-named Llama parameter; None when it is replicated."""
+    if is_adapter(name):
+        parts = name.split(".")
+        return _LORA_SPLIT.get((tp_style(".".join(parts[:-2]) + ".weight"), parts[-2]))
     style = tp_style(name)
     _, kind = _module_and_kind(name)
     if style in (TpStyle.COLWISE, TpStyle.VOCAB, TpStyle.EXPERT):

@@ -1,0 +1,137 @@
+"""LoRA adapters on the decoder's projections (Hu et al., 2021): a targeted projection computes
+W x + b + (alpha / rank) * B A dropout(x), with W (and b) frozen and only A [rank, in] and B [out, rank]
+trained. A starts as PyTorch's default linear init (Kaiming-uniform, a = sqrt(5)), B at zero, so a new
+adapter leaves the model unchanged.
+
+Which projections get adapters, and their shapes, come from the model's parameter inventory
+(`schemas/sharding.py:lora_modules`), so the compiler's counts, the weight-sync plan and the modules built
+here name the same tensors: `<projection>.lora_A.weight` and `<projection>.lora_B.weight`, as the PEFT
+library saves them. A projection is adapted in place (`adapt`): the module keeps its own weight and bias
+parameters under their names (a base checkpoint still loads), and gains the two adapter linears. A
+tensor-parallel generator's projections hold their shard of W and the matching shard of the adapter
+(`lora_A` cut by columns under a row-parallel W, `lora_B` by rows under a column-parallel one); a
+row-parallel layer adds its adapter's partial product before its all-reduce (`tensor_parallel.py`).
+
+`adapters_off(model)` runs the base model: a reference initialised from the trained model is its base, so
+it needs no weights of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from graphrl.errors import RunError
+from graphrl.schemas.model import LoraSpec, ModelDims
+from graphrl.schemas.sharding import is_adapter, lora_modules
+
+
+class Adapted:
+    """What an adapted projection adds to its own class: the adapter pair and its switch. Mixed into a
+    linear class ahead of it (`LoraLinear`, `LoraRowParallelLinear`)."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+    adapters_on: bool
+
+    def init_adapters(self, rank: int, in_features: int, out_features: int, *, scaling: float, dropout: float,
+                      device: torch.device, dtype: torch.dtype) -> None:
+        assert isinstance(self, nn.Module)
+        self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scaling = scaling
+        self.adapters_on = True
+
+    def adapter(self, x: Tensor) -> Tensor | None:
+        """The adapter's term for input `x`, or None with the adapters switched off."""
+        if not self.adapters_on:
+            return None
+        return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+class LoraLinear(Adapted, nn.Linear):
+    """A projection with an adapter beside its frozen weight."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        delta = self.adapter(x)
+        return out if delta is None else out + delta
+
+
+# The adapted class of each projection class; `tensor_parallel.py` adds its row-parallel linear.
+ADAPTED: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: LoraLinear}
+
+
+def adapt(model: nn.Module, dims: ModelDims, lora: LoraSpec, *, seed: int | None = None) -> nn.Module:
+    """Give `model`'s targeted projections adapters, in place (the projections keep their weights), and freeze
+    everything else. With `seed`, the adapters' initial values are drawn from it, the same on every rank
+    and every copy of the model built with it. Returns `model`."""
+    model.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]) if seed is not None else nullcontext():
+        if seed is not None:
+            torch.manual_seed(seed)
+        for name, *_ in lora_modules(dims, lora):
+            module = model.get_submodule(name)
+            adapted = ADAPTED.get(type(module))
+            if adapted is None:
+                raise RunError(f"{name} is a {type(module).__name__}, which LoRA adapters cannot wrap",
+                               fix="train this model without lora, or with an engine and precision that adapt it")
+            weight = module.weight
+            # On a tensor-parallel shard the adapter takes the shard's shape: it acts on what the shard sees
+            # (its input columns or output rows), and a weight sync fills it with the matching region.
+            in_f, out_f = weight.shape[1], weight.shape[0]
+            module.__class__ = adapted  # the same module, its parameters under their names, plus the adapters
+            module.init_adapters(lora.rank, in_f, out_f, scaling=lora.scaling, dropout=lora.dropout,  # type: ignore[attr-defined]
+                                 device=weight.device, dtype=weight.dtype)
+    return model
+
+
+def adapted_modules(model: nn.Module) -> list[Adapted]:
+    return [m for m in model.modules() if isinstance(m, Adapted)]
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its base: every adapter switched off inside the block, restored after."""
+    modules = adapted_modules(model)
+    before = [m.adapters_on for m in modules]
+    for m in modules:
+        m.adapters_on = False
+    try:
+        yield
+    finally:
+        for m, on in zip(modules, before):
+            m.adapters_on = on
+
+
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters' tensors by their inventory names (what a checkpoint and a weight sync move)."""
+    return {name: p for name, p in model.named_parameters() if is_adapter(name)}
+
+
+@torch.no_grad()
+def merged_state(model: nn.Module) -> dict[str, Tensor]:
+    """The model's weights with every adapter folded into its projection (W + scaling * B A), under the base
+    model's names: what a plain checkpoint of the trained model holds."""
+    out = {name: p.detach().clone() for name, p in model.named_parameters() if not is_adapter(name)}
+    for name, module in model.named_modules():
+        if isinstance(module, Adapted) and isinstance(module, nn.Module):
+            delta = (module.lora_B.weight.float() @ module.lora_A.weight.float()) * module.scaling
+            key = f"{name}.weight"
+            out[key] = (out[key].float() + delta).to(out[key].dtype)
+    return out
+
+
+__all__ = ["ADAPTED", "Adapted", "LoraLinear", "adapt", "adapted_modules", "adapter_state", "adapters_off",
+           "merged_state"]
