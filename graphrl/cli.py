@@ -7,6 +7,7 @@ no traceback; `--debug` shows the traceback. Commands:
   schema                JSON Schema of the job file (for editors)
   graph JOB             the job graph as text, Graphviz DOT or JSON
   import SRC OUT_DIR    convert a GGUF file or HF folder once into a safetensors folder with its tokenizer
+  export RUN_DIR -o OUT a run's trained policy as a Hugging Face folder (or a PEFT adapter, --adapter)
 """
 
 from __future__ import annotations
@@ -780,6 +781,21 @@ def import_cmd(source: Path, out_dir: Path, dtype: str, force: bool) -> None:
         folder = import_checkpoint(source, out_dir, getattr(torch, dtype), progress=progress, force=force)
         bar.update(task, description="done", completed=len(stages))
     click.echo(f"wrote {folder}: point a model's `checkpoint:` at it")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The folder to write; it must be new or empty (with --force: an earlier export's folder).")
+@click.option("--step", type=click.IntRange(min=0), help="The checkpoint after this step (default: the newest intact one).")
+@click.option("--merge/--adapter", default=True, show_default=True,
+              help="--merge: a Hugging Face model, LoRA adapters folded in; --adapter: a LoRA policy's PEFT adapter folder.")
+@click.option("--force", is_flag=True, help="Replace OUT if an earlier `graphrl export` wrote it (never another folder).")
+def export(run_dir: Path, out: Path, step: int | None, merge: bool, force: bool) -> None:
+    """Write a run's trained policy as a folder transformers (or, with --adapter, PEFT) loads."""
+    from graphrl.models.adapters import export_run
+
+    click.echo(f"wrote {out}: {export_run(run_dir, out, step=step, merge=merge, force=force)}")
 
 
 def command() -> None:

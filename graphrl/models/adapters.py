@@ -1,0 +1,211 @@
+"""A trained policy out of a run folder, for use outside graphrl: `graphrl export`.
+
+A checkpoint holds a LoRA-trained policy as its adapters only (`<proj>.lora_A.weight` [rank, in] and
+`<proj>.lora_B.weight` [out, rank]), and a fully trained one as its whole weights. `export_run` writes either
+as a Hugging Face folder that `transformers` loads (the adapters folded into their projections,
+W + scaling * B A), or a LoRA policy as a PEFT adapter folder (`adapter_config.json` +
+`adapter_model.safetensors`) that `peft.PeftModel.from_pretrained` puts on its base.
+
+The folder is written as a temporary sibling and renamed into place, so an interrupted export leaves OUT as it
+was; `force` replaces only a folder an earlier export wrote (its marker lists the files), never another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from graphrl.errors import DataError, GraphRLWarning, OutputError
+from graphrl.schemas.model import LoraSpec, ModelDims
+from graphrl.schemas.sharding import LORA_A, LORA_B, is_adapter, lora_modules, lora_params
+
+EXPORT_MARKER = ".graphrl-export.json"
+PEFT_PREFIX = "base_model.model."  # PEFT's adapter files name a tensor by its path inside the wrapped model
+
+
+def check_adapters(adapters: Mapping[str, Tensor], dims: ModelDims, lora: LoraSpec) -> None:
+    """Refuse adapters that are not exactly the ones `lora` gives a model of `dims` (names and shapes)."""
+    expected = {p.name: tuple(p.shape) for p in lora_params(dims, lora)}
+    held = {name: tuple(t.shape) for name, t in adapters.items()}
+    missing, unexpected = sorted(expected.keys() - held.keys()), sorted(held.keys() - expected.keys())
+    if missing or unexpected:
+        what = f"lacks {missing[0]}" if missing else f"holds {unexpected[0]}, which"
+        raise DataError(f"the adapters {what} the model's LoRA (rank {lora.rank}, targets {lora.targets}) "
+                        f"{'needs' if missing else 'does not have'} "
+                        f"({len(missing)} missing, {len(unexpected)} unexpected)",
+                        fix="export a checkpoint written by the run of this plan")
+    for name, shape in expected.items():
+        if held[name] != shape:
+            raise DataError(f"adapter {name} has shape {list(held[name])}; the model's LoRA needs {list(shape)}",
+                            fix="export a checkpoint written by the run of this plan")
+
+
+@torch.no_grad()
+def merge_adapters(state: Mapping[str, Tensor], adapters: Mapping[str, Tensor], lora: LoraSpec) -> dict[str, Tensor]:
+    """`state` (base-named weights) with each adapted projection's weight W replaced by W + scaling * B A,
+    computed in float32 and cast back to W's dtype."""
+    out = dict(state)
+    for name in sorted(adapters):
+        if not is_adapter(name):
+            raise DataError(f"{name} is not an adapter tensor (<projection>.{LORA_A}.weight or .{LORA_B}.weight)",
+                            fix="pass the adapters alone, apart from the base weights")
+    for projection in sorted({name.rsplit(".", 2)[0] for name in adapters}):
+        key = f"{projection}.weight"
+        a, b = adapters.get(f"{projection}.{LORA_A}.weight"), adapters.get(f"{projection}.{LORA_B}.weight")
+        if key not in state:
+            raise DataError(f"an adapter adapts {key}, which the base weights do not have",
+                            fix="merge the adapters into the weights of the model they were trained on")
+        if a is None or b is None:
+            raise DataError(f"the adapter of {projection} has no {LORA_B if b is None else LORA_A}",
+                            fix="pass both halves of every adapter")
+        rows, cols = state[key].shape
+        if a.shape != (lora.rank, cols) or b.shape != (rows, lora.rank):
+            raise DataError(f"the adapter of {projection} is {LORA_B} {list(b.shape)} x {LORA_A} {list(a.shape)}; "
+                            f"a rank-{lora.rank} adapter of its [{rows}, {cols}] weight is [{rows}, {lora.rank}] x "
+                            f"[{lora.rank}, {cols}]", fix="merge the adapters into the model they were trained on, "
+                            "with the LoRA settings they were trained with")
+        delta = (b.float() @ a.float()) * lora.scaling
+        out[key] = (state[key].float() + delta).to(state[key].dtype)
+    return out
+
+
+def save_peft_adapter(folder: str | Path, adapters: Mapping[str, Tensor], lora: LoraSpec, dims: ModelDims,
+                      base: str | None) -> Path:
+    """The adapters as a PEFT LoRA folder: `adapter_config.json` and `adapter_model.safetensors`. `base` is
+    the checkpoint they were trained on (None: a random init, which only this run's plan rebuilds)."""
+    check_adapters(adapters, dims, lora)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    alpha = lora.scaling * lora.rank  # PEFT scales by lora_alpha / r
+    config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha, "lora_dropout": lora.dropout,
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name, *_ in lora_modules(dims, lora)}),
+        "bias": "none", "base_model_name_or_path": base, "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None,
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {PEFT_PREFIX + name: t.detach().cpu().contiguous() for name, t in adapters.items()}
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def check_export_target(out: Path, run_dir: Path, force: bool) -> Path:
+    """The absolute folder an export may write: new or empty, or with `force` an earlier export's (its
+    marker lists its files and it holds nothing else); never the working folder, nor one holding it or the run."""
+    target = out.resolve()
+    cwd, run = Path.cwd().resolve(), run_dir.resolve()
+    if target == cwd or target in cwd.parents or target == run or target in run.parents:
+        place = "the working folder" if target == cwd else "the run folder or a folder holding it or the working folder"
+        raise OutputError(f"OUT {out} is {place}",
+                          fix="name a new folder for the export, e.g. `-o exports/policy`")
+    if target.exists() and not target.is_dir():
+        raise OutputError(f"OUT {out} is a file", fix="name a new folder for the export")
+    if target.is_dir() and any(target.iterdir()):
+        marker = target / EXPORT_MARKER
+        if not force:
+            raise OutputError(f"OUT {out} is not empty; exporting would replace what it holds",
+                              fix="name a new folder" + (" (or pass --force to replace this earlier export)"
+                                                         if marker.is_file() else ""))
+        try:
+            written = set(json.loads(marker.read_text())["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise OutputError(f"OUT {out} was not written by `graphrl export` (it has no readable {EXPORT_MARKER}); "
+                              "--force only replaces an earlier export",
+                              fix="name a new folder, or empty this one yourself") from None
+        others = sorted(p.name for p in target.iterdir() if p.name not in written | {EXPORT_MARKER})
+        if others:
+            raise OutputError(f"OUT {out} holds files the earlier export did not write ({', '.join(others[:5])}); "
+                              "--force would delete them", fix="move them elsewhere first, or name a new folder")
+    return target
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, merge: bool = True,
+               force: bool = False) -> str:
+    """Write the trained policy of run folder `run_dir`, at its newest intact checkpoint or after `step`,
+    into `out`: a Hugging Face folder (`merge`) or a PEFT adapter folder. Returns what was written, in words."""
+    from graphrl.executors.outputs import checkpoint_problem, latest_checkpoint, read_meta
+    from graphrl.executors.roles import initial_module
+    from graphrl.models import export_trained
+    from graphrl.plan_io import load_plan
+
+    run_dir, out = Path(run_dir), Path(out)
+    target = check_export_target(out, run_dir, force)
+    root = run_dir / "checkpoints"
+    if step is None:
+        found = latest_checkpoint(run_dir, say=lambda message: warnings.warn(message, GraphRLWarning))
+        if found is None:
+            raise DataError(f"run folder {run_dir} holds no intact checkpoint (in {root})",
+                            fix="export a run that wrote one (schedule.checkpoint_every, or the end of the run)")
+        checkpoint = found
+    else:
+        checkpoint = root / f"step_{step:06d}"
+        if not checkpoint.is_dir():
+            steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*")
+                           if p.is_dir() and p.name.removeprefix("step_").isdigit())
+            raise DataError(f"run folder {run_dir} has no checkpoint after step {step}",
+                            fix=f"pick one of steps {', '.join(map(str, steps))}" if steps else
+                            "export a run that wrote a checkpoint")
+        problem = checkpoint_problem(checkpoint)
+        if problem is not None:
+            raise DataError(f"checkpoint {checkpoint} is damaged: {problem}", fix="export an earlier step")
+    plan = load_plan(run_dir / "plan.msgpack")
+    assert plan.bindings is not None
+    model = plan.bindings.policy_model
+    meta = read_meta(checkpoint)
+    entry = meta["roles"].get(model)
+    if entry is None:
+        raise DataError(f"checkpoint {checkpoint} holds no weights of the policy {model!r}",
+                        fix="export a checkpoint written by the run of this plan")
+    spec = plan.job.models[model]
+    dims = spec.resolved_dims()
+    weights = load_file(str(checkpoint / entry["file"]))
+    lora = LoraSpec.model_validate(entry["lora"]) if entry.get("lora") is not None else None
+    where = f"{model} after step {meta['step']}"
+    if not merge and lora is None:
+        raise DataError(f"checkpoint {checkpoint}: {model} was trained whole (its model declares no lora), so "
+                        "there is no adapter to export",
+                        fix="export the whole model: drop --adapter (--merge is the default)")
+    tmp = target.with_name(f".{target.name}.export-{os.getpid()}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if not merge:
+            assert lora is not None
+            save_peft_adapter(tmp, weights, lora, dims, entry.get("base"))
+            said = f"a PEFT LoRA adapter of {where}"
+            if not entry.get("base"):
+                said += " (its base is a random init: --merge writes a model that stands alone)"
+        elif lora is not None:
+            check_adapters(weights, dims, lora)
+            base = {name: t for name, t in initial_module(plan.job, model).state_dict().items() if not is_adapter(name)}
+            export_trained(tmp, dims, merge_adapters(base, weights, lora), spec.checkpoint)
+            said = f"a Hugging Face model of {where}, its LoRA adapters merged"
+        else:
+            export_trained(tmp, dims, weights, spec.checkpoint)
+            said = f"a Hugging Face model of {where}"
+        files = sorted(p.name for p in tmp.iterdir())
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "checkpoint": checkpoint.name,
+                                                     "files": files}, indent=2) + "\n")
+        old = None
+        if target.is_dir():  # empty, or an earlier export checked above: moved aside, deleted once replaced
+            old = target.with_name(f".{target.name}.replaced-{os.getpid()}")
+            target.rename(old)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+    return said
+
+
+__all__ = ["EXPORT_MARKER", "check_adapters", "check_export_target", "export_run", "merge_adapters",
+           "save_peft_adapter"]
