@@ -3,6 +3,7 @@ learning rate, resolved once here so that no rank rebuilds or searches the job g
 
 from __future__ import annotations
 
+from graphrl.compiler.roles import lora_bases
 from graphrl.ir import JobGraph
 from graphrl.schemas.job import JobSpec
 from graphrl.schemas.plan import Layout, NodeBinding, PortSource, RoleBinding, RunBindings
@@ -26,7 +27,8 @@ def run_bindings(graph: JobGraph, layout: Layout) -> RunBindings:
                                  lr=lr_of[p.model] if p.kind == "train" else None)
              for p in layout.placements}
     return RunBindings(nodes=nodes, roles=roles, generate_node=generate.name, dataset_node=dataset.name,
-                       policy_model=generate.spec.model, last_train_node=[n for n in ops if n.op == "train"][-1].name)
+                       policy_model=generate.spec.model, last_train_node=[n for n in ops if n.op == "train"][-1].name,
+                       bases=lora_bases(job))
 
 
 __all__ = ["run_bindings"]

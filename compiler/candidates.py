@@ -216,8 +216,9 @@ def train_cfgs(p: SearchSpace, first: int, n: int) -> list[TrainCfg]:
         if p.mini_batch and dp * fsdp > p.mini_batch:
             continue  # a data-parallel rank would hold no row of a mini-batch
         for sharding in shardings:
-            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
-            if refusal is not None and not (p.target == "preview" and refusal.field == "pp" and hint.pp == pp):
+            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding, lora=role.lora is not None)
+            pinned = {"pp": hint.pp == pp, "tp": hint.tp == tp}  # a preview lays out what the user pinned
+            if refusal is not None and not (p.target == "preview" and pinned.get(refusal.field, False)):
                 continue
             for recompute in (False, True):
                 for offload in offloads:
@@ -235,7 +236,8 @@ def gen_cfgs(p: SearchSpace, first: int, n: int) -> list[GenCfg]:
     fp8 = hardware_has_fp8(p.hw)
     offered = list(PRECISIONS) if fp8 and not fp8_dequantizes(p.hw) else ["bf16"]
     precisions = [prec for prec in ([hint.precision] if hint.precision else offered)
-                  if precision_refusal("generate", prec, hardware_fp8=fp8, moe=role.dims.is_moe) is None
+                  if precision_refusal("generate", prec, hardware_fp8=fp8, moe=role.dims.is_moe,
+                                       lora=role.lora is not None) is None
                   and prec in ENGINE_PRECISIONS[p.engine_of(role.name)]]
     return [GenCfg(first, n, tp, prec) for tp in generate_shapes(role, hint, n, p.per_node) for prec in precisions]
 
@@ -347,6 +349,9 @@ def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target:
                                  "new weights into vLLM's experts is not verified (its CPU build's reload leaves them "
                                  "wrong)", path=path + ("engine",), fix="use engine: native (it shares the experts "
                                  "out over its tp group and records the routes routing replay needs)")
+        if engine == "vllm" and role.lora is not None:
+            raise PlacementError(f"engine 'vllm' does not run {role.model!r}, a LoRA model, here: its adapters are "
+                                 "synced into graphrl's own sampler", path=path + ("engine",), fix="use engine: native")
         if target == "run" and not engine_available(engine):
             raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
                                  path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")
@@ -366,7 +371,7 @@ def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target:
                              path=path + ("pp",), fix=f"use pp <= {role.dims.num_layers}")
     if hint.precision is not None and hw is not None and \
             (refusal := precision_refusal(role.kind, hint.precision, hardware_fp8=hardware_has_fp8(hw),
-                                          moe=role.dims.is_moe)) is not None:
+                                          moe=role.dims.is_moe, lora=role.lora is not None)) is not None:
         raise PlacementError(f"{refusal.why} (hardware {hw.name})", path=path + ("precision",), fix=refusal.fix)
 
 
@@ -417,7 +422,8 @@ def _check_pin_meshes(p: SearchSpace, role: Role, hint: RoleHint, path: tuple[st
         shardings = [hint.sharding] if hint.sharding else SHARDING_SEARCH_ORDER
         refusals = [r for s in sorted(sizes) for tp, pp, dp, fsdp in train_shapes(role, hint, s, p.per_node)
                     for sharding in shardings
-                    if (r := train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)) is not None]
+                    if (r := train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding,
+                                                  lora=role.lora is not None)) is not None]
         if refusals:
             refusal = refusals[0]
             field_ = refusal.field if getattr(hint, refusal.field, None) is not None else "sharding"

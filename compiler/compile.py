@@ -37,6 +37,7 @@ def plan_of(state: Compilation, cluster: ClusterSpec) -> Plan:
         baseline=placed.baseline, candidates_considered=placed.candidates_considered,
         candidates=list(placed.candidates), programs=state.programs,
         bindings=run_bindings(state.graph, placed.chosen), workload=summarize(placed.shape.workload),
+        lora=placed.lora,
     )
 
 

@@ -41,7 +41,7 @@ from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterator, Sequence
 
 from graphrl.schemas.job import PRECISION_BYTES
-from graphrl.schemas.model import ModelDims
+from graphrl.schemas.model import LoraSpec, ModelDims
 from graphrl.schemas.sharding import (
     LayoutFn,
     Mesh,
@@ -56,6 +56,7 @@ from graphrl.schemas.sharding import (
     region_size,
     llama_layout_on,
     llama_params,
+    lora_params,
 )
 from graphrl.schemas.weightsync import (Bucket, Contents, LocalCopy, LocalCopyRef, Round, Slice, SliceRun,
                                        WeightSyncRecord, WeightSyncSummary)
@@ -696,11 +697,13 @@ DDMA_BUCKET_BYTES = 256 << 20
 
 
 def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
-                    bucket_bytes: int = DDMA_BUCKET_BYTES) -> DdmaPlan:
+                    bucket_bytes: int = DDMA_BUCKET_BYTES, *, lora: LoraSpec | None = None) -> DdmaPlan:
     """The DDMA plan of a Llama model's trainer -> generator copy, from the model's sharding description.
-    Into an fp8 generator, in staging groups of layers (`sync_staging_layers`)."""
-    layers = sync_staging_layers(dims, dst, precision)
-    plan = plan_weight_sync(llama_params(dims), src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
+    Into an fp8 generator, in staging groups of layers (`sync_staging_layers`). With `lora`, of the adapters
+    alone: the generator keeps the base weights it loaded."""
+    layers = sync_staging_layers(dims, dst, precision) if lora is None else None
+    params = llama_params(dims) if lora is None else lora_params(dims, lora)
+    plan = plan_weight_sync(params, src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
                             dst_layout=llama_layout_on(dst), src_bytes_per_elem=WIRE_BYTES_PER_ELEM,
                             dst_bytes_per_elem=PRECISION_BYTES[precision], bucket_bytes=bucket_bytes,
                             group_of=None if layers is None else lambda p: staging_group(p.name, layers))

@@ -157,7 +157,7 @@ def refine_placement_pass(s: Compilation, ctx: CompileContext) -> Compilation:
     _, _, best = min(((step_time(c.layout, c.durations), c.layout.label, c) for c in placed.contenders),
                      key=lambda x: (x[0], x[1]))
     return replace(s, placement=replace(placed, ranking="simulated", chosen=best.layout, durations=best.durations,
-                                        contenders=()))
+                                        lora=best.lora, contenders=()))
 
 
 def _estimated(layout: Layout, programs: Programs, s: Compilation) -> Layout:

@@ -15,7 +15,7 @@ from graphrl.schemas.program import CostKey
 
 from graphrl.compiler.placed import Contender, PlacedLayout
 from graphrl.compiler.candidates import make_problem
-from graphrl.compiler.cost import layout_durations
+from graphrl.compiler.cost import layout_durations, lora_comparison
 from graphrl.compiler.placement import search
 from graphrl.compiler.to_layout import summaries, to_layout
 
@@ -39,14 +39,15 @@ def place_job(graph: JobGraph, cluster: ClusterSpec, hardware: HardwareSpec, tar
     contenders: tuple[Contender, ...] = ()
     if refine and problem.num_devices <= SIMULATE_RANKING_MAX_DEVICES:
         contenders = tuple(
-            Contender(layout, MappingProxyType(layout_durations(problem, ev, layout)))
+            Contender(layout, MappingProxyType(layout_durations(problem, ev, layout)), lora_comparison(problem, ev))
             for ev in result.ranked[:SIMULATE_RANKING_TOP_K] for layout in (to_layout(problem, ev),))
     return PlacedLayout(
         shape=problem.shape, ranking="analytical",
         chosen=chosen, durations=MappingProxyType(layout_durations(problem, best, chosen)),
         baseline=baseline, baseline_durations=MappingProxyType(layout_durations(problem, result.baseline, baseline))
         if result.baseline is not None and baseline is not None else None,
-        candidates_considered=result.considered, candidates=tuple(summaries(result)), contenders=contenders)
+        candidates_considered=result.considered, candidates=tuple(summaries(result)), contenders=contenders,
+        lora=lora_comparison(problem, best))
 
 
 def check_placement(placed: PlacedLayout) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Literal, Mapping
 
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
-from graphrl.schemas.plan import CandidateSummary, Layout
+from graphrl.schemas.plan import CandidateSummary, Layout, LoraSummary
 from graphrl.schemas.program import CostKey
 
 from graphrl.compiler.roles import JobShape
@@ -25,6 +25,8 @@ class Contender:
 
     layout: Layout
     durations: Mapping[CostKey, float]
+    lora: LoraSummary | None = None
+    """A LoRA job's costs on this layout beside the same job trained in full."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class PlacedLayout:
     """Number of layouts the search evaluated."""
     candidates: tuple[CandidateSummary, ...]
     """Summaries of the best and the rejected candidates, best first."""
+    lora: LoraSummary | None = None
+    """A LoRA job's costs on the chosen layout beside the same job trained in full (`cost.lora_comparison`)."""
     contenders: tuple[Contender, ...] = ()
     """The analytically best candidates, best first, when the cluster is small enough to rank them by
     simulating their programs (the pipeline's `refine_placement`); empty otherwise."""

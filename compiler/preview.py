@@ -148,6 +148,25 @@ def _engine_phases(p: RolePlacement, layout: Layout) -> str:
     return "the engine keeps it and its KV cache on its own devices in every phase"
 
 
+def _lora_table(plan: Plan) -> Table:
+    """A LoRA job beside the same job trained in full, on the chosen layout."""
+    lora = plan.lora
+    assert lora is not None
+    table = Table(title=f"LoRA rank {lora.rank} beside full training, on the chosen layout (per device)",
+                  box=box.SIMPLE_HEAVY, title_justify="left")
+    for col in ("", "lora", "full"):
+        table.add_column(col, justify="left" if not col else "right")
+    show = {"bytes": human_bytes, "seconds": human_seconds, "params": lambda n: f"{n / 1e6:,.2f} M"}
+    for f in lora.figures:
+        table.add_row(f.what, show[f.unit](f.lora), show[f.unit](f.full))
+    base = f"the reference ({', '.join(lora.base_reference)}) is the base with the adapters off; " \
+        if lora.base_reference else ""
+    table.caption = (f"{base}trained in full, this layout {'fits' if lora.full_fits else 'does not fit'} "
+                     f"({human_bytes(plan.hardware.usable_memory_bytes)} usable per device)")
+    table.caption_justify = "left"
+    return table
+
+
 def _phase_table(plan: Plan) -> Table:
     table = Table(title="predicted seconds per step", box=box.SIMPLE_HEAVY, title_justify="left")
     table.add_column("phase")
@@ -189,6 +208,8 @@ def render_text(plan: Plan, *, explain: bool = False, width: int = 160) -> str:
         parts.append(Text("preview only, `graphrl run` refuses this plan: "
                           + "; ".join(r.message() for r in refusals), style="bold"))
     parts += _layout_tables(plan.chosen, "chosen")
+    if plan.lora is not None:
+        parts.append(_lora_table(plan))
     parts.append(_phase_table(plan))
     if plan.workload is not None and plan.workload.episodes is not None:
         parts.append(Text(f"of generate, {human_seconds(plan.chosen.estimate.environment_s)} per step is the "

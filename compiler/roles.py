@@ -17,7 +17,8 @@ from graphrl.ir import JobGraph
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.job import GenerateNode, ScheduleMode
 from graphrl.schemas.mesh import Mesh
-from graphrl.schemas.model import ModelDims
+from graphrl.schemas.job import JobSpec
+from graphrl.schemas.model import LoraSpec, ModelDims
 from graphrl.schemas.plan import Layout, RoleKind
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -32,6 +33,8 @@ class Role:
     ops: tuple[str, ...]
     weight_bytes: int  # bytes per parameter of the compute weights (dtype)
     forwards: bool = False  # runs forward-only passes (log-probs, values, a reward model's scores)
+    lora: LoraSpec | None = None  # a trained model's adapters: the base is frozen, the adapters train and sync
+    bases: tuple[str, ...] = ()  # frozen models whose forwards this role runs as its base, adapters off
 
 
 @dataclass(frozen=True)
@@ -174,12 +177,33 @@ def generation_role(model: str) -> str:
     return f"{model}/generate"
 
 
+def lora_bases(job: JobSpec) -> dict[str, str]:
+    """Frozen models that run as a LoRA model's base (model -> the LoRA model): initialised from a model that
+    trains adapters with `base_reference` on, and the same weights (no adapters or checkpoint of their own,
+    the same architecture and dtype), they need no copy of the weights: the LoRA model's trained role runs
+    their forwards with its adapters off."""
+    trained = {spec.model for spec in job.nodes.values() if spec.op == "train"}
+    out = {}
+    for model, spec in job.models.items():
+        source = job.models.get(spec.init_from) if spec.init_from else None
+        if (source is not None and source.lora is not None and source.lora.base_reference and model not in trained
+                and spec.init_from in trained and spec.lora is None
+                and spec.checkpoint in (None, source.checkpoint) and spec.dtype == source.dtype
+                and spec.resolved_dims() == source.resolved_dims()):
+            out[model] = spec.init_from
+    return out
+
+
 def derive_roles(graph: JobGraph) -> list[Role]:
-    """Roles in a stable order: trained models first (train copy, then generate copy), then frozen ones."""
+    """Roles in a stable order: trained models first (train copy, then generate copy), then frozen ones. A
+    LoRA model's base (`lora_bases`) is no role: its forwards are its LoRA model's trained role's."""
     job = graph.job
     trained = {n.spec.model for n in graph.nodes() if n.op == "train"}
+    bases = lora_bases(job)
     roles: list[Role] = []
     for model, mspec in job.models.items():
+        if model in bases:
+            continue
         ops = [n for n in graph.nodes() if n.model == model]
         if not ops:
             continue
@@ -189,9 +213,12 @@ def derive_roles(graph: JobGraph) -> list[Role]:
         other_ops = tuple(n.name for n in ops if n.op != "generate")
         forwards = any(n.op not in ("generate", "train") for n in ops)
         if model in trained:
-            roles.append(Role(model, model, "train", dims, other_ops, wbytes, forwards))
+            base_of = tuple(m for m, lora_model in bases.items() if lora_model == model)
+            base_ops = tuple(n.name for n in graph.nodes() if n.model in base_of)
+            roles.append(Role(model, model, "train", dims, other_ops + base_ops, wbytes, forwards or bool(base_ops),
+                              lora=mspec.lora, bases=base_of))
             if gen_ops:
-                roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes))
+                roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes, lora=mspec.lora))
         else:
             if other_ops:
                 roles.append(Role(model, model, "infer", dims, other_ops, wbytes, forwards))

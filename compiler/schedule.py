@@ -43,7 +43,7 @@ from graphrl.schemas.program import (
 )
 
 from graphrl.compiler.offload import OffloadPlan
-from graphrl.compiler.roles import JobShape, effective_mode
+from graphrl.compiler.roles import JobShape, effective_mode, lora_bases
 from graphrl.compiler.reshard import ReshardPlan, split_range
 from graphrl.compiler.weight_sync import WeightSyncPlan
 
@@ -151,27 +151,31 @@ def _reshard(step: int, plan: ReshardPlan, out: _Streams, sends: bool = True, re
             out.streams[t.dst].append(Recv(step, "rollouts", t.start, t.stop, t.src, num_bytes, tag))
 
 
-# One builder per op kind that runs on the trainer side: (node, step, start, stop, role placement) -> ins
-_TRAINER_OPS: dict[str, Callable[[OpNode, int, int, int, str], Instruction]] = {
-    "logprob": lambda n, i, a, b, g: Logprob(i, n.name, n.spec.model, a, b, g),
-    "value": lambda n, i, a, b, g: Value(i, n.name, n.spec.model, a, b, g),
-    "reward": lambda n, i, a, b, g: Reward(i, n.name, n.spec.model or "", a, b, g if n.spec.model else ""),
-    "advantage": lambda n, i, a, b, g: Advantage(i, n.name, a, b),
-    "train": lambda n, i, a, b, g: TrainStep(i, n.name, n.spec.model, a, b, i + 1, g),
+# One builder per op kind that runs on the trainer side: (node, step, start, stop, placement group, role) -> ins
+_TRAINER_OPS: dict[str, Callable[[OpNode, int, int, int, str, str], Instruction]] = {
+    "logprob": lambda n, i, a, b, g, r: Logprob(i, n.name, r, a, b, g),
+    "value": lambda n, i, a, b, g, r: Value(i, n.name, r, a, b, g),
+    "reward": lambda n, i, a, b, g, r: Reward(i, n.name, r, a, b, g if r else ""),
+    "advantage": lambda n, i, a, b, g, r: Advantage(i, n.name, a, b),
+    "train": lambda n, i, a, b, g, r: TrainStep(i, n.name, r, a, b, i + 1, g),
 }
 
 
-def _role_of(node: OpNode) -> str | None:
-    return node.spec.model if node.op in ("logprob", "value", "train") or (node.op == "reward" and node.spec.model) else None
+def _role_of(node: OpNode, bases: dict[str, str]) -> str:
+    """The role that runs `node` ("" for none): its model's, or, for a model that is a LoRA model's base
+    (`lora_bases`), the LoRA model's trained role."""
+    model = node.spec.model if node.op in ("logprob", "value", "train") or (node.op == "reward" and node.spec.model) else ""
+    return bases.get(model, model)
 
 
 def _trainer_step(graph: JobGraph, step: int, train: Mesh, responses: int, group: int, offload: OffloadPlan,
                   out: _Streams) -> None:
     """The frozen forwards, the advantage and the updates of one step, in topological order."""
     nodes = [graph.node(n) for n in graph.topo_order() if graph.node(n).op in _TRAINER_OPS]
+    bases = lora_bases(graph.job)
     last_use: dict[str, int] = {}
     for k, node in enumerate(nodes):
-        role = _role_of(node)
+        role = _role_of(node, bases)
         if role:
             last_use[role] = k
     loaded: set[str] = set()
@@ -180,12 +184,12 @@ def _trainer_step(graph: JobGraph, step: int, train: Mesh, responses: int, group
         lo, hi = split_range(responses, train.data_parallel, d, group)
         loaded.clear()
         for k, node in enumerate(nodes):
-            role = _role_of(node)
+            role = _role_of(node, bases)
             off = offload.roles.get(role) if role else None
             if off and role not in loaded:
                 out.emit(ranks, Onload(role, off.state, off.num_bytes))
                 loaded.add(role)
-            out.emit(ranks, _TRAINER_OPS[node.op](node, step, lo, hi, "trainer"))
+            out.emit(ranks, _TRAINER_OPS[node.op](node, step, lo, hi, "trainer", role))
             if off and last_use[role] == k:
                 out.emit(ranks, Offload(role, off.state, off.num_bytes))
 

@@ -19,7 +19,7 @@ from typing import Mapping
 
 from graphrl.schemas.hardware import HardwareSpec
 from graphrl.schemas.mesh import Mesh
-from graphrl.schemas.model import ModelDims
+from graphrl.schemas.model import LoraSpec, ModelDims
 from graphrl.schemas.program import CostKey
 from graphrl.schemas.plan import Layout
 from graphrl.schemas.weightsync import WeightSyncKind, WeightSyncRecord
@@ -77,11 +77,11 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
         if not (stored and needs_record("in_place", placement.tp)):
             return WeightSyncPlan("in_place", transfer, Later.now((seconds, None)))
         planned = ddma_record_later(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
-                                    precision)
+                                    precision, lora=policy.lora)
         return WeightSyncPlan("in_place", transfer, planned.then(
             lambda made: (seconds, made[0].model_copy(update={"predicted_s": seconds}))))
     planned = ddma_record_later(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
-                                precision)
+                                precision, lora=policy.lora)
     if placement.engine == "native":
         return WeightSyncPlan("ddma", transfer, planned.then(lambda made: (made[1], made[0])))
     # The engine then takes the delivered weights into its own.
@@ -108,27 +108,30 @@ BACKGROUND_MIN_PAIRS = 4096
 
 @functools.lru_cache(maxsize=16)
 def ddma_record_later(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
-                      precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> Later[tuple[WeightSyncRecord, float]]:
+                      precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES, *, lora: LoraSpec | None = None
+                      ) -> Later[tuple[WeightSyncRecord, float]]:
     """`ddma_record`'s result, made in a forked child where the plan is large and a spare core runs it.
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
-    schedules one layout both sync and async; a 405B plan takes a second to make. The record is frozen."""
+    schedules one layout both sync and async; a 405B plan takes a second to make. The record is frozen.
+    With `lora`, the adapters alone are synced (the generator keeps the base it loaded)."""
     if len(src.devices) * len(dst.devices) >= BACKGROUND_MIN_PAIRS:
-        return Later.forked(_ddma_record, dims, model, hw, per_node, src, dst, precision, bucket_bytes)
-    return Later.now(_ddma_record(dims, model, hw, per_node, src, dst, precision, bucket_bytes))
+        return Later.forked(_ddma_record, dims, model, hw, per_node, src, dst, precision, bucket_bytes, lora)
+    return Later.now(_ddma_record(dims, model, hw, per_node, src, dst, precision, bucket_bytes, lora))
 
 
 def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
-                precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES) -> tuple[WeightSyncRecord, float]:
+                precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES, *, lora: LoraSpec | None = None
+                ) -> tuple[WeightSyncRecord, float]:
     """Plan the trainer -> generator weight copy (`graphrl.compiler.ddma`); return (the record the plan stores,
     predicted seconds: each round as long as its largest bucket on the links it crosses)."""
-    return ddma_record_later(dims, model, hw, per_node, src, dst, precision, bucket_bytes).get()
+    return ddma_record_later(dims, model, hw, per_node, src, dst, precision, bucket_bytes, lora=lora).get()
 
 
 def _ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
-                 precision: str, bucket_bytes: int) -> tuple[WeightSyncRecord, float]:
+                 precision: str, bucket_bytes: int, lora: LoraSpec | None = None) -> tuple[WeightSyncRecord, float]:
     with gc_paused():  # the plan is dropped before the collector runs again (~10^6 objects at 405B)
-        plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes)
+        plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes, lora=lora)
         spans = timing.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
         seconds = timing.weight_copy_seconds(hw, [r.max_bucket_bytes for r in plan.rounds], spans)
         record = sync_record(plan, model, src, dst, seconds)

@@ -29,10 +29,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from graphrl.errors import RunError
 from graphrl.schemas.job import JobSpec
+from graphrl.schemas.sharding import is_adapter
 
 from graphrl.executors.guards import check_weights
 from graphrl.executors.models.llama import Llama
@@ -67,11 +68,16 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
+def _options() -> StateDictOptions:
+    """The trained state alone: a LoRA model's frozen base is loaded from where it came from, never saved."""
+    return StateDictOptions(ignore_frozen_params=True)
+
+
 def save_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     group: Any) -> None:
     """This rank's part of `role`'s model and optimizer state (a collective over `group`, the ranks
     that hold the role; None when one rank holds it)."""
-    model_sd, optim_sd = get_state_dict(module, _local_optimizer(optimizer))
+    model_sd, optim_sd = get_state_dict(module, _local_optimizer(optimizer), options=_options())
     with _one_rank_quietly():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=_folder(root, role), process_group=group,
                  no_dist=group is None)
@@ -86,7 +92,7 @@ def load_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: t
         raise RunError(f"checkpoint {root} has no sharded state for {role} ({folder} is missing)",
                        fix="resume from a checkpoint written by this version of graphrl, or start without --resume")
     local = _local_optimizer(optimizer)
-    model_sd, optim_sd = get_state_dict(module, local)
+    model_sd, optim_sd = get_state_dict(module, local, options=_options())
     state = {"model": model_sd, "optim": optim_sd}
     try:
         with _one_rank_quietly():
@@ -94,7 +100,10 @@ def load_role_state(root: Path, role: str, module: torch.nn.Module, optimizer: t
     except Exception as exc:  # DCP wraps each rank's failure; the first line of its reason names the file
         raise RunError(f"checkpoint {root}: cannot load the state of {role} from {folder}: {_reason(exc)}",
                        fix="resume from an earlier checkpoint (move this one aside), or start without --resume") from exc
-    set_state_dict(module, local, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # strict=False: the keys loaded are exactly those `get_state_dict` gave above (a LoRA model's adapters, not
+    # its frozen base), so nothing the checkpoint should hold can be missing.
+    set_state_dict(module, local, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
 def save_inflight(root: Path, rank: int, pieces: dict[int, list[Piece]]) -> None:
@@ -154,6 +163,10 @@ def write_checkpoint(out_dir: Path, step: int, roles: dict[str, RoleState], rt: 
     # Sharded weights are gathered tensor by tensor by every rank of the shard group (a collective);
     # only the reporting rank keeps them, in host memory, and saves them once.
     weights = {name: full_state_dict(r.module, keep=reporter, to_host=True) for name, r in roles.items()}
+    # A LoRA role's file holds its adapters (the base is where the job loaded it from, named in meta.json);
+    # its exports below still read the full weights.
+    saved = {name: {k: v for k, v in w.items() if is_adapter(k)} if job.models[roles[name].placement.model].lora
+             else w for name, w in weights.items()}
     if reporter:
         check_weights(weights, step)  # before anything is written: a NaN checkpoint never exists
         shutil.rmtree(partial, ignore_errors=True)
@@ -168,8 +181,11 @@ def write_checkpoint(out_dir: Path, step: int, roles: dict[str, RoleState], rt: 
     if reporter:
         _export_trained(partial, roles, weights, job)  # inside the manifest, before `latest` names it
         ahead = _write_versions_ahead(partial, versions_ahead)
-        finish_checkpoint(partial, final, step, roles, weights, job.run.seed, sorted(inflight), layout,
-                          extra={"versions_ahead": ahead}, sums=sums)
+        lora = {name: {"lora": spec.lora.model_dump(mode="json"),
+                       "base": None if spec.checkpoint is None else str(spec.checkpoint)}
+                for name, r in roles.items() if (spec := job.models[r.placement.model]).lora is not None}
+        finish_checkpoint(partial, final, step, roles, saved, job.run.seed, sorted(inflight), layout,
+                          extra={"versions_ahead": ahead}, sums=sums, role_extra=lora)
     _barrier(group)
 
 
@@ -208,14 +224,24 @@ def _write_versions_ahead(folder: Path, versions: dict[str, dict[int, dict[str, 
 
 def _export_trained(folder: Path, roles: dict[str, RoleState], weights: dict[str, dict[str, Tensor]],
                     job: JobSpec) -> None:
-    """Trained policies started from a real checkpoint also become `<role>_hf/`, a folder transformers loads."""
+    """Trained policies started from a real checkpoint also become `<role>_hf/`, a folder transformers loads (a
+    LoRA policy's with its adapters merged into the base), and a LoRA policy's adapters `<role>_adapter/`, in
+    the PEFT library's format."""
     from graphrl.models import export_trained
+    from graphrl.models.adapters import merge_adapters, save_peft_adapter
 
     for name, role in roles.items():
         spec = job.models[role.placement.model]
-        if role.placement.kind == "train" and spec.checkpoint is not None and isinstance(role.module, Llama):
-            export_trained(folder / f"{name.replace('/', '__')}_hf", spec.resolved_dims(), weights[name],
-                           spec.checkpoint)
+        if role.placement.kind != "train" or not isinstance(role.module, Llama):
+            continue
+        safe, dims, state = name.replace("/", "__"), spec.resolved_dims(), weights[name]
+        if spec.lora is not None:
+            adapters = {k: v for k, v in state.items() if is_adapter(k)}
+            save_peft_adapter(folder / f"{safe}_adapter", adapters, spec.lora, dims,
+                              None if spec.checkpoint is None else str(spec.checkpoint))
+            state = merge_adapters({k: v for k, v in state.items() if not is_adapter(k)}, adapters, spec.lora)
+        if spec.checkpoint is not None:
+            export_trained(folder / f"{safe}_hf", dims, state, spec.checkpoint)
 
 
 __all__ = ["load_inflight", "load_role_state", "save_inflight", "save_role_state", "write_checkpoint"]

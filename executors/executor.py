@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from graphrl.errors import RunError
+from graphrl.schemas.sharding import is_adapter
 from graphrl.schemas.weightsync import WeightSyncRecord
 from graphrl.schemas.algorithms import ESTIMATORS, LOSSES
 from graphrl.schemas.plan import Plan
@@ -57,6 +59,7 @@ from graphrl.executors.guards import check_rewards, reward_tensor
 from graphrl.executors.engines import EngineContext, GenerationEngine, GenerationRequest, build_engine
 from graphrl.executors.episodes import (EpisodeRunner, EpisodeSettings, Replica, codec_of, episode_metrics, episode_rows,
                                         episode_samples, episode_sums, last_turn_mask)
+from graphrl.executors.models.lora import adapters_off
 from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
 from graphrl.executors.outputs import EnvErrorsWriter, MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
@@ -67,7 +70,7 @@ from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecor
 from graphrl.executors.runtime import Runtime
 from graphrl.executors.stopping import RunStopped, StopRequests
 from graphrl.executors.tensor_parallel import TensorParallelLlama
-from graphrl.executors.weightsync import run_weight_sync
+from graphrl.executors.weightsync import check_delivery, probe_logprobs, probe_tolerance, run_weight_sync
 
 def step_lag(programs: Programs, rank: int) -> int:
     """How many steps behind the newest step it has seen an instruction of `rank`'s stream can be: 0
@@ -237,7 +240,10 @@ class RankExecutor:
                             ins.version in self.versions_for_continuation:
                         kept = full_state_dict(self.roles[ins.role].module, keep=self.is_reporter, to_host=True)
                         # a copy: on a host device the gathered tensors are the live parameters themselves
-                        self.kept_versions[ins.version] = {k: v.detach().clone() for k, v in kept.items()}
+                        # (a LoRA policy's adapters alone: the generator holds its base)
+                        lora = self.job.models[self.roles[ins.role].placement.model].lora is not None
+                        self.kept_versions[ins.version] = {k: v.detach().clone() for k, v in kept.items()
+                                                           if not lora or is_adapter(k)}
                     if stop and ins.step < self.programs.steps - 1:  # type: ignore[union-attr]
                         raise RunStopped(stop, ins.step)  # type: ignore[union-attr]
             finally:
@@ -303,8 +309,8 @@ class RankExecutor:
             raise self.fail(ins, f"cannot read weight version {ins.version} from {path}: {exc}") from exc  # type: ignore[union-attr]
         if isinstance(dst.module, TensorParallelLlama):
             dst.module.load_full(weights)
-        else:
-            dst.module.load_state_dict(weights)
+        else:  # a LoRA generator's version is its adapters alone
+            dst.module.load_state_dict(weights, strict=self.job.models[dst.placement.model].lora is None)
         dst.version = ins.version  # type: ignore[union-attr]
         self._weights_changed(dst.placement.role)
 
@@ -435,8 +441,11 @@ class RankExecutor:
         role = self._forward_role(ins)
         r = self.read(ins, "rollouts")
         parts = []
-        # Log-probs of the sampling distribution, logits / T, as the generator's behaviour log-probs.
-        with torch.no_grad(), sampling_temperature(role.module, self.gen_node.spec.temperature):
+        # Log-probs of the sampling distribution, logits / T, as the generator's behaviour log-probs; a LoRA
+        # model's base (the reference it was initialised from) is the model with its adapters off.
+        as_base = adapters_off(role.module) if self.bindings.nodes[ins.node].spec.model in self.bindings.bases \
+            else nullcontext()
+        with torch.no_grad(), sampling_temperature(role.module, self.gen_node.spec.temperature), as_base:
             replays = self.router_replay == "R3" and role.placement.model == self.policy_role and ROUTES_FIELD in r
             for rows in self._micro_batches(role, r):
                 b = {k: r[k][rows] for k in training.ROW_FIELDS}
@@ -676,8 +685,11 @@ class RankExecutor:
         dst_role = self.roles.get(ins.dst_role)
         if src_role is not None and src_role.placement.kind == "train" and src_role.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src_role.version}, the plan syncs {ins.version}")
-        run_weight_sync(data, self.rank, src_role.module if src_role and src_role.placement.kind == "train" else None,
-                        dst_role.module if dst_role else None, self.rt)
+        src = src_role.module if src_role and src_role.placement.kind == "train" else None
+        run_weight_sync(data, self.rank, src, dst_role.module if dst_role else None, self.rt)
+        if self.job.models[ins.model].lora is not None:  # adapters alone moved: check they arrived
+            check_delivery(data, self.rank, src, dst_role.module if dst_role else None, ins.version, self.rt,
+                           src_wrapped=src_role.wrapped if src is not None else None)  # type: ignore[union-attr]
         if dst_role is not None:
             dst_role.version = ins.version
             self._weights_changed(ins.dst_role)
@@ -695,6 +707,12 @@ class RankExecutor:
             fp8.copy_quantized(dst.module, src.module, src.wrapped)
         elif dst.module is not src.module:
             copy_full_weights(dst.module, src.module, src.wrapped)
+        if dst.reads is None and self.job.models[ins.model].lora is not None:  # a copy of its own: check it
+            gap = float((probe_logprobs(dst.module) - probe_logprobs(src.module, src.wrapped)).abs().max())
+            if not gap <= probe_tolerance(next(dst.module.parameters()).dtype):
+                raise self.fail(ins, f"after the reshard to version {ins.version} the generator's log-probs of a probe "
+                                     f"sequence differ from the trainer's by up to {gap:.3g}: it does not sample from "
+                                     "the trainer's weights")
         dst.version = ins.version
         self._weights_changed(ins.dst_role)
 

@@ -162,10 +162,11 @@ def file_sums(folder: Path, names: Iterable[str]) -> dict[str, str]:
 def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, Any],
                       weights: dict[str, dict[str, Any]], seed: int, inflight_steps: list[int],
                       layout: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                      sums: dict[str, str] | None = None) -> Path:
+                      sums: dict[str, str] | None = None, role_extra: dict[str, dict[str, Any]] | None = None) -> Path:
     """Add the full weights, `meta.json` and the manifest to a partial checkpoint (every rank has written
     its files), move it into place atomically, and only then point `latest` at it. `layout`
-    (`checkpoint_layout`) is what a resume compares against its own plan; `extra` goes into meta.json.
+    (`checkpoint_layout`) is what a resume compares against its own plan; `extra` goes into meta.json, and
+    `role_extra` into a role's entry (a LoRA role's adapters and base).
     The manifest holds every file's size and sha256; `sums` are those the ranks already took of their share
     of the files (the rest are read here)."""
     try:
@@ -175,7 +176,7 @@ def finish_checkpoint(partial: Path, final: Path, step: int, roles: dict[str, An
             safe = name.replace("/", "__")
             tensors = {k: v.detach().cpu().contiguous() for k, v in weights[name].items()}
             save_file(tensors, str(partial / f"{safe}.safetensors"))
-            meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors"}
+            meta["roles"][name] = {"version": role.version, "file": f"{safe}.safetensors", **(role_extra or {}).get(name, {})}
         (partial / "meta.json").write_text(json.dumps(meta))
         # Every file with its size and checksum: a resume checks them, so a shard lost, cut short or
         # changed afterwards (a full disk, a copy interrupted, a bad block) is found by name before any rank

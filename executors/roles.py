@@ -18,11 +18,13 @@ from torch import nn
 from graphrl.errors import RunError
 from graphrl.schemas.capabilities import generator_reads_trainer
 from graphrl.schemas.mesh import Mesh
+from graphrl.schemas.job import JobSpec
 from graphrl.schemas.plan import Plan, RoleKind, RolePlacement
 from graphrl.schemas.program import Generate, Programs
 
 from graphrl.executors import fp8
 from graphrl.executors.models.llama import Llama, LlamaCritic
+from graphrl.executors.models.lora import adapt
 from graphrl.executors.parallel import (build_optimizer, layer_units, shard_frozen, tensor_parallel_infer,
                                         trainer_mesh_groups, wrap_tensor_parallel_trainer, wrap_trainer)
 from graphrl.executors.runtime import Runtime, collective_timeout_s
@@ -65,20 +67,10 @@ class RoleBuild:
         return self.plan.chosen.mesh(p.mesh)
 
     def new_module(self, p: RolePlacement) -> nn.Module:
-        """The role's model, initialised as every rank initialises it (seeded by the model it starts from),
-        with the job's checkpoint loaded when it names one."""
+        """The role's model as every rank starts it (`initial_module`)."""
         assert self.plan.bindings is not None
-        spec = self.plan.job.models[p.model]
-        torch.manual_seed(self.plan.job.run.seed * 7919 + sum(map(ord, spec.init_from or p.model)))
-        critic = self.plan.bindings.roles[p.role].head == "value"
-        dims = spec.resolved_dims()
-        module = (LlamaCritic(dims) if critic else Llama(dims)).to(device=self.rt.device, dtype=DTYPES[spec.dtype])
-        if spec.checkpoint is not None:
-            from graphrl.models.checkpoints import load_state
-
-            _, state = load_state(spec.checkpoint)
-            module.load_state_dict(state, strict=not critic)
-        return module
+        return initial_module(self.plan.job, p.model, critic=self.plan.bindings.roles[p.role].head == "value",
+                              device=self.rt.device)
 
     def tensor_parallel_group(self, p: RolePlacement) -> TensorParallelGroup:
         """This rank's place in the group its Generate instructions name (one generator replica)."""
@@ -90,6 +82,24 @@ class RoleBuild:
             raise RunError(f"rank {rank}: role {p.role} has tp={p.tp}, but its Generate instructions name "
                            f"group {name!r} with ranks {ranks}", fix="recompile the plan")
         return TensorParallelGroup(list(ranks).index(rank), p.tp, self.rt.group(name))
+
+
+def initial_module(job: JobSpec, model: str, *, critic: bool = False, device: torch.device | str = "cpu") -> nn.Module:
+    """Model `model` of `job` as a run starts it: initialised as every rank initialises it (seeded by the
+    model it starts from), with the job's checkpoint loaded when it names one, and with its LoRA adapters
+    (seeded too, so every copy draws the same) when it declares them."""
+    spec = job.models[model]
+    torch.manual_seed(job.run.seed * 7919 + sum(map(ord, spec.init_from or model)))
+    dims = spec.resolved_dims()
+    module = (LlamaCritic(dims) if critic else Llama(dims)).to(device=device, dtype=DTYPES[spec.dtype])
+    if spec.checkpoint is not None:
+        from graphrl.models.checkpoints import load_state
+
+        _, state = load_state(spec.checkpoint)
+        module.load_state_dict(state, strict=not critic)
+    if spec.lora is not None:
+        adapt(module, dims, spec.lora, seed=job.run.seed * 7919 + 1 + sum(map(ord, model)))
+    return module
 
 
 def build_train(b: RoleBuild, p: RolePlacement) -> RoleState:
@@ -124,9 +134,12 @@ def build_generate(b: RoleBuild, p: RolePlacement) -> RoleState:
             one_unit=not layer_units(trainer.module.model.layers, tp=1)):
         return RoleState(p, trainer.module, reads=trainer.placement.role)
     module = b.new_module(p)
+    lora = b.plan.job.models[p.model].lora
     if p.tp > 1:
-        module = TensorParallelLlama.from_full(module, b.tensor_parallel_group(p))
+        module = TensorParallelLlama.from_full(module, b.tensor_parallel_group(p), lora=lora)
     if p.precision == "fp8":
+        if lora is not None:
+            raise RunError(f"role {p.role}: an fp8 generator of a LoRA model is not run", fix="use precision bf16")
         module = fp8.quantize_generator(module)
     module.requires_grad_(False)
     return RoleState(p, module)
@@ -182,4 +195,4 @@ def role_group(role: RoleState, rt: Runtime) -> Any:
     return None
 
 
-__all__ = ["BUILDERS", "DTYPES", "RoleBuild", "RoleState", "build_roles", "role_group"]
+__all__ = ["BUILDERS", "DTYPES", "RoleBuild", "RoleState", "build_roles", "initial_module", "role_group"]

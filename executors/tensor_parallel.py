@@ -38,12 +38,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.schemas.sharding import (Region, chunk_bounds, llama_params, region_size, to_slices, tp_region,
-                                      tp_split_dim)
+from graphrl.schemas.sharding import (Region, chunk_bounds, is_adapter, llama_params, lora_params, region_size, to_slices,
+                                      tp_region, tp_split_dim)
 from graphrl.errors import RunError
-from graphrl.schemas.model import ModelDims
+from graphrl.schemas.model import LoraSpec, ModelDims
 
 from graphrl.executors.models.llama import MLP, Experts, KVCache, Llama, MoE
+from graphrl.executors.models.lora import ADAPTED, Adapted, adapt
 
 _KV = ("k_proj", "v_proj")  # replicated over tp ranks when there are fewer KV heads than ranks
 
@@ -82,6 +83,19 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class LoraRowParallelLinear(Adapted, RowParallelLinear):
+    """A row-parallel projection with its LoRA adapter's share: A's block of input columns (this rank's), B
+    whole; the adapter's partial product joins the base's before the one all-reduce."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight)
+        delta = self.adapter(x)
+        return self.tp.all_reduce(out if delta is None else out + delta)
+
+
+ADAPTED[RowParallelLinear] = LoraRowParallelLinear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -166,18 +180,25 @@ class TensorParallelLlama(Llama):
             for p in self.parameters():
                 p.fill_(float("nan"))  # a shard nobody wrote can never pass for a weight
 
+    lora: LoraSpec | None = None
+
     @classmethod
-    def from_full(cls, full: Llama, tp: TensorParallelGroup) -> "TensorParallelLlama":
-        """This rank's shards of an unsharded model (same dims, device and dtype)."""
+    def from_full(cls, full: Llama, tp: TensorParallelGroup, lora: LoraSpec | None = None) -> "TensorParallelLlama":
+        """This rank's shards of an unsharded model (same dims, device and dtype), with its LoRA adapters'
+        shards when `lora` says it has them."""
         param = next(full.parameters())
         model = cls(full.dims, tp, device=param.device, dtype=param.dtype)
+        if lora is not None:
+            adapt(model, full.dims, lora)
+            model.lora = lora
         model.load_full(full.state_dict())
         return model
 
     # -- the plan's regions ------------------------------------------------------------------------
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Full-model shape of every parameter, by name (the model's parameter inventory)."""
-        return {p.name: p.shape for p in llama_params(self.dims)}
+        """Full-model shape of every parameter, by name (the model's parameter inventory, adapters included)."""
+        adapters = lora_params(self.dims, self.lora) if self.lora is not None else []
+        return {p.name: p.shape for p in (*llama_params(self.dims), *adapters)}
 
     def _kv_head_rows(self, full_rows: int) -> tuple[int, int]:
         """Rows [a, b) of a full k/v weight that this rank's replicated head covers."""
@@ -208,8 +229,11 @@ class TensorParallelLlama(Llama):
     # -- loading -----------------------------------------------------------------------------------
     @torch.no_grad()
     def load_full(self, state: Mapping[str, Tensor]) -> None:
-        """Copy this rank's regions (whole heads where KV heads are replicated) out of full tensors."""
+        """Copy this rank's regions (whole heads where KV heads are replicated) out of full tensors (a LoRA
+        model's version may be its adapters alone: its base stays)."""
         for name, shape in self.full_shapes().items():
+            if name not in state and self.lora is not None and not is_adapter(name):
+                continue
             full = state[name]
             if tuple(full.shape) != shape:
                 raise RunError(f"{name}: full tensor has shape {tuple(full.shape)}, expected {shape}")

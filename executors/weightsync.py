@@ -341,3 +341,63 @@ def _pieces(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
     """`flat` cut into consecutive views shaped like `like`'s tensors."""
     return [piece if t.dim() == 1 else piece.view(t.shape)
             for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Delivery check: the generator samples what the trainer holds
+
+PROBE_TOKENS = 16
+PROBE_TAG = 1 << 29  # apart from the rollouts' tags (`schedule.TAG_STRIDE` per step)
+
+
+def probe_logprobs(module: nn.Module, wrapped: nn.Module | None = None) -> Tensor:
+    """Float32 log-probs of a fixed response of `PROBE_TOKENS` tokens after a fixed prompt, under `module` (through
+    `wrapped`, a trainer's forward, where it has one: FSDP2 gathers there). A collective where the module is
+    sharded, so every rank that holds it calls this."""
+    from graphrl.executors.models.sampling import token_logprobs_and_entropy
+
+    vocab = module.dims.vocab_size  # type: ignore[union-attr]
+    device = next(module.parameters()).device
+    ids = (torch.arange(1, 2 * PROBE_TOKENS + 1, device=device) * 7919 % vocab)[None]
+    prompt, response = ids[:, :PROBE_TOKENS], ids[:, PROBE_TOKENS:]
+    masks = torch.ones_like(prompt, dtype=torch.bool), torch.ones_like(response, dtype=torch.bool)
+    with torch.no_grad():
+        if wrapped is not None:
+            lp, _ = wrapped(prompt, masks[0], response, masks[1])
+        else:
+            lp, _ = token_logprobs_and_entropy(module, prompt, masks[0], response, masks[1])  # type: ignore[arg-type]
+    return lp[0].float()
+
+
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """How far two copies of the same weights may disagree on a probe log-prob (differently sharded matmuls
+    round differently): 1e-3 in float32, 0.1 in 16-bit types."""
+    return 1e-3 if dtype == torch.float32 else 0.1
+
+
+def check_delivery(data: WeightSyncRecord, rank: int, src: nn.Module | None, dst: nn.Module | None, version: int,
+                   rt: Any, src_wrapped: nn.Module | None = None) -> None:
+    """After a weight sync into a generator of its own: every trainer rank scores the probe (a collective over
+    the trainer), the trainer's first rank sends it to each generator rank, and each generator rank scores
+    it with what it received and compares. A sync that delivered nothing, or stale or misplaced values,
+    leaves the generator sampling from other weights than the trainer's: an error, not a silent staleness.
+    (A rank that holds both copies compares them itself.)"""
+    trainer = src is not None
+    want = probe_logprobs(src, src_wrapped) if trainer else None
+    first = min(data.src.devices)
+    if trainer and rank == first:
+        for peer in sorted(set(data.dst.devices) - {rank}):
+            dist.send(want.to(rt.comm_device), peer, tag=PROBE_TAG + version % PROBE_TAG)  # type: ignore[union-attr]
+    if dst is None:
+        return
+    got = probe_logprobs(dst)
+    if want is None:
+        want = torch.empty(PROBE_TOKENS, dtype=torch.float32, device=rt.comm_device)
+        dist.recv(want, first, tag=PROBE_TAG + version % PROBE_TAG)
+    gap = float((got.to(want.device) - want).abs().max())
+    tolerance = probe_tolerance(next(dst.parameters()).dtype)
+    if not gap <= tolerance:
+        raise RunError(f"rank {rank}: after the weight sync of {data.model} to version {version}, the generator's "
+                       f"log-probs of a probe sequence differ from the trainer's by up to {gap:.3g} (tolerance "
+                       f"{tolerance:g}): the generator does not sample from the weights the trainer synced",
+                       fix="recompile the plan with this graphrl; if it persists, report the plan file")

@@ -204,6 +204,13 @@ def build_graph(job: JobSpec) -> JobGraph:
 
     used = {node_model(s) for s in job.nodes.values()}
     for model, mspec in job.models.items():
+        if mspec.lora is not None and model not in trainers:
+            raise JobError(f"model {model!r} has LoRA adapters but no train node trains it: adapters are what a "
+                           "trained model learns", path=("models", model, "lora"),
+                           fix=f"remove lora from {model!r}, or train it (a train node with model: {model})")
+        if mspec.lora is not None and job.nodes[trainers[model]].loss == "critic":
+            raise JobError(f"model {model!r} is a critic: its value head is trained whole, which LoRA's frozen base "
+                           "leaves out", path=("models", model, "lora"), fix="train the critic in full (remove lora)")
         if mspec.init_from is not None and mspec.init_from not in job.models:
             raise JobError(
                 f"init_from names model {mspec.init_from!r}, which is not declared",

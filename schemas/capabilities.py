@@ -127,7 +127,7 @@ class Refusal:
     fix: str
 
 
-def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str) -> Refusal | None:
+def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str, lora: bool = False) -> Refusal | None:
     """Why the executors cannot run a trainer mesh of this shape and sharding, or None when they can.
 
     Read from `CAPABILITIES`: pp > 1 is preview-only; a ZeRO stage (zero1/zero2/fsdp) needs more than one
@@ -138,6 +138,9 @@ def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str)
                        "drop the pin (pp 1) to let the search choose a layout that runs")
     if not runs("sharding", sharding, "train"):
         return Refusal("sharding", f"sharding {sharding!r} does not run", "use none, zero1, zero2 or fsdp")
+    if lora and tp > 1:
+        return Refusal("tp", f"tp {tp}: a LoRA trainer runs with tp 1 (its adapters are not laid out as DTensors)",
+                       "use tp: 1 (fsdp shards the frozen base over the data-parallel ranks)")
     data_parallel = dp * fsdp
     if sharding != "none" and data_parallel == 1:
         return Refusal("sharding", f"sharding {sharding!r} on one data-parallel rank has nothing to shard over "
@@ -151,9 +154,13 @@ def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str)
     return None
 
 
-def precision_refusal(role_kind: str, precision: str, *, hardware_fp8: bool, moe: bool = False) -> Refusal | None:
+def precision_refusal(role_kind: str, precision: str, *, hardware_fp8: bool, moe: bool = False,
+                      lora: bool = False) -> Refusal | None:
     """Why a role of `role_kind` cannot compute in `precision` on hardware with (or without) fp8 support (and
-    for a mixture-of-experts model, `moe`)."""
+    for a mixture-of-experts model, `moe`, or a model with LoRA adapters, `lora`)."""
+    if precision == "fp8" and lora:
+        return Refusal("precision", "fp8 generation quantizes the block linears, which a LoRA model's adapters wrap",
+                       "use precision: bf16 for this model's generation copy")
     if precision == "fp8" and moe:
         return Refusal("precision", "fp8 generation quantizes dense linears; a mixture-of-experts model's stacked "
                        "experts are not quantized", "use precision: bf16 for this model's generation copy")
@@ -213,10 +220,14 @@ def plan_refusals(plan: "Plan") -> list[PlanRefusal]:
     out: list[PlanRefusal] = []
     fp8 = hardware_has_fp8(plan.hardware)
     for p in plan.chosen.placements:
+        lora = plan.job.models[p.model].lora is not None
         found = [dtype_refusal(p.kind, plan.job.models[p.model].dtype),
-                 precision_refusal(p.kind, p.precision, hardware_fp8=fp8)]
+                 precision_refusal(p.kind, p.precision, hardware_fp8=fp8, lora=lora)]
         if p.kind == "train":
-            found.append(train_layout_refusal(dp=p.dp, fsdp=p.fsdp, tp=p.tp, pp=p.pp, sharding=p.sharding))
+            found.append(train_layout_refusal(dp=p.dp, fsdp=p.fsdp, tp=p.tp, pp=p.pp, sharding=p.sharding, lora=lora))
+        elif lora and p.engine != "native":
+            found.append(Refusal("engine", f"engine {p.engine!r} does not run a LoRA model's generator here",
+                                 "use engine: native"))
         elif p.pp > 1:
             found.append(Refusal("pp", f"pp {p.pp}: pipeline-parallel execution is not implemented",
                                  "drop the pin (pp 1)"))

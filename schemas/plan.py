@@ -199,6 +199,30 @@ class RunBindings(Frozen):
     dataset_node: str = Field(description="The node that yields the prompts.")
     policy_model: str = Field(description="The model the rollouts are sampled from (its training role's name).")
     last_train_node: str = Field(description="The step's last update, after which its data is no longer read.")
+    bases: dict[str, str] = Field(default_factory=dict, description="Frozen models that run as a LoRA model's base "
+                                  "(model -> the LoRA model): their forwards are that model's with its adapters off.")
+
+
+class LoraFigure(Frozen):
+    """One figure of a LoRA job beside the same job trained in full, on the same layout."""
+
+    what: str = Field(description="What is measured (per device unless it says otherwise).")
+    unit: Literal["bytes", "seconds", "params"] = Field(description="Its unit.")
+    lora: float = Field(ge=0, description="With the adapters.")
+    full: float = Field(ge=0, description="Trained in full: every weight trained and synced, the reference its own copy.")
+
+
+class LoraSummary(Frozen):
+    """What LoRA buys on the chosen layout: the trainer's state, its step and the weight sync with adapters,
+    beside the same job trained in full on the same layout."""
+
+    rank: int = Field(gt=0, description="The adapters' rank.")
+    adapter_params: int = Field(ge=0, description="Trained parameters: the adapters'.")
+    base_params: int = Field(ge=0, description="The frozen base's parameters.")
+    base_reference: list[str] = Field(default_factory=list, description="Frozen models run as the base with the "
+                                      "adapters off (no copy of their weights).")
+    figures: list[LoraFigure] = Field(description="Each figure with adapters and in full.")
+    full_fits: bool = Field(description="Whether the same layout holds the job trained in full.")
 
 
 class EpisodeSummary(Frozen):
@@ -266,6 +290,7 @@ class Plan(Frozen):
     candidates: list[CandidateSummary] = Field(default_factory=list, description="Best and rejected candidates.")
     programs: TypedPrograms | None = Field(default=None, description="Per-rank periodic programs, once scheduled.")
     bindings: RunBindings | None = Field(default=None, description="Nodes and roles as the executors run them.")
+    lora: LoraSummary | None = Field(default=None, description="A LoRA job's costs beside the same job trained in full.")
     workload: WorkloadSummary | None = Field(default=None, description="The step sizes the costs assume.")
 
     def preview_dict(self) -> dict[str, Any]:
@@ -310,6 +335,7 @@ class Plan(Frozen):
             },
             "candidates_considered": self.candidates_considered,
             "candidates": [c.model_dump() for c in self.candidates],
+            "lora": None if self.lora is None else self.lora.model_dump(),
         }
 
 

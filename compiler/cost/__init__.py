@@ -72,6 +72,7 @@ from graphrl.compiler.cost.phases import (
     engine_reload_time,
     generation_phase,
     layout_durations,
+    lora_comparison,
     offload_bytes,
     pass_shape,
     reshard_in_place_time,
@@ -131,7 +132,7 @@ __all__ = [
     "offload_time", "optimizer_seconds", "p2p_seconds", "pass_compute_seconds", "ring_shape", "training_step_time",
     "vocab_seconds", "weight_copy_seconds",
     # phases.py
-    "GenerationTime", "PassShape", "engine_reload_time", "generation_phase", "layout_durations", "offload_bytes",
+    "GenerationTime", "PassShape", "engine_reload_time", "generation_phase", "layout_durations", "lora_comparison", "offload_bytes",
     "pass_shape", "reshard_in_place_time", "role_times", "rollout_transfer_time", "trainer_times",
     "unaligned_tp_shards", "weight_sync_time",
 ]

@@ -36,7 +36,7 @@ from graphrl.compiler.roles import Role
 from graphrl.schemas.capabilities import generator_reads_trainer
 from graphrl.schemas.job import PRECISION_BYTES, SHARDINGS, Precision, Sharding
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.sharding import staging_layers
+from graphrl.schemas.sharding import lora_param_count, staging_layers
 
 if TYPE_CHECKING:  # the candidates' types only: candidates.py reads the cost model
     from graphrl.compiler.candidates import GenCfg, Problem, TrainCfg
@@ -135,6 +135,7 @@ def training_memory(
     offload_params: bool = False,
     flash_attention: bool = True,
     compute_bytes: int = BF16_BYTES,
+    adapter_params: int | None = None,
 ) -> tuple[MemoryBreakdown, MemoryBreakdown]:
     """Bytes a training role holds per device, and per device in host memory: (device, host).
 
@@ -152,6 +153,8 @@ def training_memory(
         a model smaller than that is one unit, gathered whole.
     offload_optimizer moves the optimizer state to host; offload_params moves the weight and gradient
     shards to host (FSDP2 CPUOffloadPolicy), leaving only the gathered buffers on the device.
+    `adapter_params`: LoRA adapters train on a frozen base: the weights are the base's and the adapters',
+    gradients and optimizer state the adapters' alone (sharded as above).
 
     Activations for one micro-batch of `micro_batch_tokens` tokens on one data-parallel rank, with
     L/pp layers per stage, per token per layer:
@@ -166,7 +169,10 @@ def training_memory(
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
     d = dp * fsdp
-    params_per_device = param_count(dims) / (tp * pp)
+    base = param_count(dims)
+    params_per_device = (base + (adapter_params or 0)) / (tp * pp)
+    trained_share = 1.0 if adapter_params is None else adapter_params / (base + adapter_params)
+    trained_per_device = params_per_device * trained_share
     mixed = compute_bytes < FP32_BYTES
     master = FP32_BYTES if mixed else 0  # an fp32 copy of the weights beside the compute-dtype ones
     layer_bytes = layer_params(dims) / tp * compute_bytes
@@ -174,13 +180,13 @@ def training_memory(
     whole = unit_bytes >= dims.num_layers / pp * layer_bytes  # one unit: the model with its root
     gathered_weights = gathered_grads = 0.0
     weights = params_per_device * compute_bytes
-    grads = params_per_device * compute_bytes
-    optimizer = params_per_device * (ADAM_MOMENT_BYTES_PER_PARAM + master)
+    grads = trained_per_device * compute_bytes
+    optimizer = trained_per_device * (ADAM_MOMENT_BYTES_PER_PARAM + master)
     if sharding in ("zero1", "zero2", "fsdp"):
         optimizer /= d
     if sharding in ("zero2", "fsdp") and d > 1:
         gathered_weights = params_per_device * compute_bytes if sharding == "zero2" or whole else 2 * unit_bytes
-        gathered_grads = params_per_device * compute_bytes if whole else unit_bytes
+        gathered_grads = (params_per_device * compute_bytes if whole else unit_bytes) * trained_share
         weights = weights / d + gathered_weights
         grads = grads / d + gathered_grads
 
@@ -270,8 +276,13 @@ def train_state(p: Problem, role: Role, cfg: TrainCfg) -> tuple[MemoryBreakdown,
     return training_memory(
         role.dims, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp, sharding=cfg.sharding,  # type: ignore[arg-type]
         micro_batch_tokens=micro_tokens(p, cfg), seq_len=p.workload.seq_len, recompute=cfg.recompute,
-        compute_bytes=role.weight_bytes,
+        compute_bytes=role.weight_bytes, adapter_params=adapter_count(role),
     )
+
+
+def adapter_count(role: Role) -> int | None:
+    """A LoRA role's adapter parameters (None: the role trains, or holds, no adapters)."""
+    return lora_param_count(role.dims, role.lora) if role.lora is not None else None
 
 
 def infer_state(p: Problem, role: Role, cfg: TrainCfg) -> MemoryBreakdown:
@@ -390,9 +401,10 @@ def gen_weights(role: Role, tp: int, precision: str) -> float:
     """A generator's weight bytes per device: the model's own dtype (a float32 CPU model stores 4 bytes per
     weight); with fp8, the block linears at 1 byte plus their scales and the rest still at the dtype."""
     dtype_bytes = max(role.weight_bytes, BF16_BYTES)
+    adapters = (adapter_count(role) or 0) * dtype_bytes  # a LoRA generator's adapters beside its base
     if precision == "fp8":
-        return weight_bytes(role.dims, PRECISION_BYTES["fp8"], dtype_bytes) / tp
-    return weight_bytes(role.dims, dtype_bytes) / tp
+        return (weight_bytes(role.dims, PRECISION_BYTES["fp8"], dtype_bytes) + adapters) / tp
+    return (weight_bytes(role.dims, dtype_bytes) + adapters) / tp
 
 
 def engine_weights(role: Role, tp: int, precision: str, engine: str) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from graphrl.compiler.cost.memory import (
@@ -29,6 +29,7 @@ from graphrl.compiler.cost.memory import (
 from graphrl.compiler.cost.model import (
     BF16_BYTES,
     fsdp_units,
+    param_count,
     param_tensor_count,
     weight_bytes,
 )
@@ -45,12 +46,12 @@ from graphrl.compiler.cost.timing import (
     weight_copy_seconds,
 )
 from graphrl.compiler.ddma import DDMA_BUCKET_BYTES
-from graphrl.compiler.roles import Workload
+from graphrl.compiler.roles import Role, Workload
 from graphrl.schemas.mesh import Mesh
 from graphrl.schemas.model import ModelDims
-from graphrl.schemas.plan import Layout
+from graphrl.schemas.plan import Layout, LoraFigure, LoraSummary
 from graphrl.schemas.program import CostKey
-from graphrl.schemas.sharding import llama_params, region_size, shard_bounds
+from graphrl.schemas.sharding import llama_params, lora_param_count, region_size, shard_bounds
 
 from graphrl.ops import rollout_bytes_per_response
 
@@ -181,7 +182,7 @@ def role_times(p: Problem, cfg: TrainCfg, *, gathered_at_sync: bool = False) -> 
             out[CostKey("Forward", role.name)] = forward
             continue
         shape = dict(tokens=mini.tokens, seq_len=mini.keys, head_rows=mini.head_rows, microbatches=mini.microbatches,
-                     sharding=cfg.sharding, recompute=cfg.recompute, dtype_bytes=role.weight_bytes)
+                     sharding=cfg.sharding, recompute=cfg.recompute, dtype_bytes=role.weight_bytes, lora=role.lora)
         step = training_step_time(role.dims, **shape, **common).total_s  # type: ignore[arg-type]
         first = step
         if gathered_at_sync and role is p.policy:
@@ -222,6 +223,14 @@ def trainer_times(p: Problem, cfg: TrainCfg, *, gathered_at_sync: bool = False) 
     }
 
 
+def synced_bytes(role: Role) -> float:
+    """Bytes one generator replica receives per weight sync of `role`: its bf16 weights, or a LoRA model's
+    adapters alone (the generator keeps the base it loaded)."""
+    if role.lora is not None:
+        return lora_param_count(role.dims, role.lora) * BF16_BYTES
+    return weight_bytes(role.dims, BF16_BYTES)
+
+
 def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
     """(seconds, bytes on links) for DDMA: every generator replica receives the full bf16 weights,
     split over its tp ranks; all trainer ranks send in parallel. The busier of the receive side (one
@@ -229,7 +238,7 @@ def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, f
     rounds of at most one DDMA bucket, timed as the weight-sync pass times the planned rounds
     (`weight_copy_seconds`); a serving engine then reloads them (`engine_reload_time`)."""
     role = p.policy
-    weights = weight_bytes(role.dims, BF16_BYTES)
+    weights = synced_bytes(role)
     total = weights * gen.dp
     spans = p.spans(min(train.first, gen.first), train.n + gen.n)
     busiest = max(weights / gen.tp, total / train.n)  # one generator rank's share, one trainer rank's
@@ -279,6 +288,8 @@ def _fill_in_place(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, flo
         if not tensors:
             return 0.0, 0.0
         return chunked_collective_time("all_gather", shard_bytes, tensors, group, p.hw, spans), shard_bytes
+    if role.lora is not None:  # the adapters alone, into the base the generator keeps (the DDMA record's)
+        weights = synced_bytes(role)
     t = chunked_collective_time("all_gather", weights / gen.tp, param_tensor_count(role.dims), group, p.hw, spans)
     return t, weights * gen.dp
 
@@ -335,3 +346,40 @@ def layout_durations(p: Problem, ev: Evaluated, layout: Layout) -> dict[CostKey,
         res = generation_phase(p, ev.gen, free, reads=reads)
         durations[CostKey("Generate", gen_role.name)] = res[0] if res else math.inf
     return durations
+
+
+def lora_comparison(p: Problem, ev: Evaluated) -> LoraSummary | None:
+    """For a job whose policy trains LoRA adapters: the policy trainer's state per device, its step, the
+    weight sync's bytes and the reference's weights on `ev`'s layout, beside the same job trained in full on
+    that layout (every weight trained and synced, a reference initialised from the policy its own copy).
+    None for a job without adapters."""
+    role = p.policy
+    if role.lora is None:
+        return None
+    cfg = ev.train
+    full_role = replace(role, lora=None, bases=())
+    references = tuple(Role(name, name, "infer", role.dims, (), role.weight_bytes, True) for name in role.bases)
+    full = replace(p, roles=tuple(full_role if r is role else replace(r, lora=None) if r.model == role.model else r
+                                  for r in p.roles) + references)
+    (lora_mem, _), (full_mem, _) = train_state(p, role, cfg), train_state(full, full_role, cfg)
+    lora_train = role_times(p, cfg)[CostKey("TrainStep", role.name)]
+    full_train = role_times(full, cfg)[CostKey("TrainStep", role.name)]
+    replicas = ev.gen.dp if ev.gen is not None else 0
+    reference = sum(infer_state(full, r, cfg).params for r in references)
+    lora_peak, full_peak = trainer_mesh_memory(p, cfg).peak, trainer_mesh_memory(full, cfg).peak
+    figures = [
+        LoraFigure(what="trained parameters (whole model)", unit="params",
+                   lora=lora_param_count(role.dims, role.lora), full=param_count(role.dims)),
+        LoraFigure(what="trainer weights", unit="bytes", lora=lora_mem.params, full=full_mem.params),
+        LoraFigure(what="trainer gradients", unit="bytes", lora=lora_mem.grads, full=full_mem.grads),
+        LoraFigure(what="trainer optimizer state", unit="bytes", lora=lora_mem.optimizer, full=full_mem.optimizer),
+        LoraFigure(what="trainer activations", unit="bytes", lora=lora_mem.activations, full=full_mem.activations),
+        LoraFigure(what="reference weights", unit="bytes", lora=0.0, full=reference),
+        LoraFigure(what="trainer mesh at its peak", unit="bytes", lora=lora_peak, full=full_peak),
+        LoraFigure(what="training seconds per step", unit="seconds", lora=lora_train, full=full_train),
+        LoraFigure(what="weight sync bytes per step (all replicas)", unit="bytes",
+                   lora=synced_bytes(role) * replicas, full=synced_bytes(full_role) * replicas),
+    ]
+    return LoraSummary(rank=role.lora.rank, adapter_params=lora_param_count(role.dims, role.lora),
+                       base_params=param_count(role.dims), base_reference=list(role.bases), figures=figures,
+                       full_fits=full_peak <= p.usable)

@@ -48,8 +48,8 @@ from graphrl.compiler.cost.model import (
 from graphrl.compiler.lengths import Lengths
 from graphrl.schemas.hardware import CollectiveFit, HardwareSpec, MatmulFit
 from graphrl.schemas.job import PRECISION_BYTES, SHARDINGS, Precision, Sharding
-from graphrl.schemas.model import ModelDims
-from graphrl.schemas.sharding import TpStyle, layer_modules
+from graphrl.schemas.model import LoraSpec, ModelDims
+from graphrl.schemas.sharding import TpStyle, layer_modules, lora_modules, lora_param_count
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p"]
 
@@ -330,17 +330,35 @@ def head_seconds(dims: ModelDims, hw: HardwareSpec, rows: float, tp: int, dtype_
     return matmul_seconds(hw, rows, dims.hidden_size, vocab, dtype_bytes) + vocab_seconds(hw, rows, vocab, use)
 
 
+def adapter_linear_seconds(dims: ModelDims, hw: HardwareSpec, rows: float, tp: int, dtype_bytes: float,
+                           lora: LoraSpec) -> float:
+    """Seconds of one layer's LoRA adapters over `rows` tokens on one tp rank: per adapted projection, x A^T
+    (in -> rank) and then B (rank -> out), each cut as the adapter's tp style cuts it."""
+    total = 0.0
+    for name, layer, cols, rows_out in lora_modules(dims, lora):
+        if layer != 0:
+            break
+        row_parallel = name.endswith(("o_proj", "down_proj"))
+        k, n = (math.ceil(cols / tp), rows_out) if row_parallel else (cols, math.ceil(rows_out / tp))
+        total += matmul_seconds(hw, rows, k, lora.rank, dtype_bytes) + matmul_seconds(hw, rows, lora.rank, n, dtype_bytes)
+    return total
+
+
 def pass_compute_seconds(dims: ModelDims, hw: HardwareSpec, *, tokens: float, keys: float, head_rows: float,
                          tp: int, dtype_bytes: float, use: VocabUse, layers: float | None = None,
-                         recompute: bool = False) -> float:
+                         recompute: bool = False, lora: LoraSpec | None = None) -> float:
     """Compute seconds of one forward (`use="forward"`) or forward + backward (`"train"`) over `tokens`
     tokens that each attend to `keys` keys, with the head on `head_rows` of them, through `layers` layers
     (all by default) on one tp rank. A backward costs twice the forward's matmuls and attention (gradients
     of the inputs and of the weights) and its elementwise work at the backward elementwise rate;
-    `recompute` runs the forward again."""
+    `recompute` runs the forward again. With `lora` the base is frozen: a backward computes the gradients of
+    the inputs but of no base weight (one forward's linears and head fewer), and the adapters' own matmuls
+    run forward and backward (`adapter_linear_seconds`)."""
     layers = dims.num_layers if layers is None else layers
     attention, _ = attention_seconds_per_key(dims, hw, tokens, tp, dtype_bytes, read_kv=False)
-    matmuls = layer_linear_seconds(dims, hw, tokens, tp, dtype_bytes) + attention * keys
+    linears = layer_linear_seconds(dims, hw, tokens, tp, dtype_bytes)
+    adapters = adapter_linear_seconds(dims, hw, tokens, tp, dtype_bytes, lora) if lora is not None else 0.0
+    matmuls = linears + adapters + attention * keys
     elementwise = layer_elementwise_bytes(dims, tokens, tp, dtype_bytes)
     forward = matmuls + elementwise_seconds(hw, elementwise)
     vocab_size = math.ceil(dims.vocab_size / tp)
@@ -348,8 +366,9 @@ def pass_compute_seconds(dims: ModelDims, hw: HardwareSpec, *, tokens: float, ke
     vocab = vocab_seconds(hw, head_rows, vocab_size, use)
     if use == "forward":
         return layers * forward + head + vocab
-    backward = 2 * matmuls + elementwise / hw.backward_elementwise_rate
-    return layers * ((2 if recompute else 1) * forward + backward) + 3 * head + vocab
+    frozen = lora is not None  # no weight gradients of the base's linears and head
+    backward = 2 * matmuls - (linears if frozen else 0.0) + elementwise / hw.backward_elementwise_rate
+    return layers * ((2 if recompute else 1) * forward + backward) + (2 if frozen else 3) * head + vocab
 
 
 def optimizer_seconds(hw: HardwareSpec, params: float) -> float:
@@ -555,7 +574,7 @@ class StepCost:
 
 def _data_parallel_comm(
     dims: ModelDims, sharding: str, d: int, tp: int, pp: int, hw: HardwareSpec, spans_nodes: bool, units: int,
-    gathered: bool = False,
+    gathered: bool = False, lora: LoraSpec | None = None,
 ) -> tuple[float, float]:
     """Per-step data-parallel collectives of a training role: (overlappable_s, not_overlappable_s).
 
@@ -569,19 +588,22 @@ def _data_parallel_comm(
       fsdp: all-gather weights for forward and again for backward (resharded after forward), and
         reduce-scatter grads, all prefetched unit by unit.
     `gathered`: the weights are whole when forward starts (a colocated generator's weight sync gathered
-    them, `generator_reads_trainer`): forward gathers nothing.
+    them, `generator_reads_trainer`): forward gathers nothing. With `lora` the gradients and the updated
+    shares are the adapters' alone (FSDP2 still gathers the frozen base with them).
     """
     if d <= 1:
         return 0.0, 0.0
     buffer = param_count(dims) / (tp * pp) * BF16_BYTES
-    buckets = math.ceil(buffer / DDP_BUCKET_BYTES)
-    all_reduce = chunked_collective_time("all_reduce", buffer, buckets, d, hw, spans_nodes)
+    trained = buffer if lora is None else lora_param_count(dims, lora) / (tp * pp) * BF16_BYTES
+    buckets = math.ceil(trained / DDP_BUCKET_BYTES)
+    all_reduce = chunked_collective_time("all_reduce", trained, buckets, d, hw, spans_nodes)
     if sharding == "none":
         return all_reduce, 0.0
     if sharding == "zero1":
-        return all_reduce, chunked_collective_time("all_gather", buffer, buckets, d, hw, spans_nodes)
-    gather = chunked_collective_time("all_gather", buffer, units, d, hw, spans_nodes)
-    scatter = chunked_collective_time("reduce_scatter", buffer, units, d, hw, spans_nodes)
+        return all_reduce, chunked_collective_time("all_gather", trained, buckets, d, hw, spans_nodes)
+    held = buffer if lora is None else buffer + trained  # the weights FSDP2 gathers: the base and the adapters
+    gather = chunked_collective_time("all_gather", held, units, d, hw, spans_nodes)
+    scatter = chunked_collective_time("reduce_scatter", trained, units, d, hw, spans_nodes)
     forward_gather = 0.0 if gathered else gather
     if sharding == "fsdp":
         return forward_gather + gather + scatter, 0.0
@@ -618,7 +640,7 @@ def _pipeline_p2p(
 
 def _micro_batches_compute(dims: ModelDims, hw: HardwareSpec, *, tokens: float, head_rows: float | None, seq_len: int,
                            d: int, m: int, tp: int, pp: int, dtype_bytes: float, use: VocabUse,
-                           recompute: bool = False) -> tuple[float, float, float]:
+                           recompute: bool = False, lora: LoraSpec | None = None) -> tuple[float, float, float]:
     """(tokens per micro-batch, layers per stage, compute seconds) of `m` micro-batches of one data-parallel
     rank's share of `tokens` (the head on its share of `head_rows`, all tokens by default), each a
     `pass_compute_seconds` through one pipeline stage."""
@@ -627,7 +649,7 @@ def _micro_batches_compute(dims: ModelDims, hw: HardwareSpec, *, tokens: float, 
     layers_per_stage = dims.num_layers / pp
     compute = m * pass_compute_seconds(dims, hw, tokens=tokens_per_micro_batch, keys=seq_len,
                                        head_rows=rows_per_micro_batch, tp=tp, dtype_bytes=dtype_bytes, use=use,
-                                       layers=layers_per_stage, recompute=recompute)
+                                       layers=layers_per_stage, recompute=recompute, lora=lora)
     return tokens_per_micro_batch, layers_per_stage, compute
 
 
@@ -650,6 +672,7 @@ def training_step_time(
     dtype_bytes: float = BF16_BYTES,
     head_rows: float | None = None,
     weights_gathered: bool = False,
+    lora: LoraSpec | None = None,
 ) -> StepCost:
     """Seconds of one optimizer step over `tokens` tokens (the global batch, all data-parallel ranks) in
     sequences of `seq_len`, with the output head on `head_rows` of them (all by default; the executors
@@ -675,6 +698,8 @@ def training_step_time(
       and `data_parallel_layer_overhead_s` on a data-parallel rank) and `train_pass_overhead_s`, plus
       `sharded_unit_overhead_s` per FSDP2 unit where FSDP2 shards the model; and per step
       `zero1_step_overhead_s` on a ZeRO-1 rank.
+    - `lora`: adapters train on a frozen base: the backward without the base's weight gradients
+      (`pass_compute_seconds`), AdamW over the adapters, the adapters' gradients reduced.
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
@@ -682,8 +707,9 @@ def training_step_time(
     m = microbatches if microbatches is not None else 4 * pp
     tokens_per_micro_batch, layers_per_stage, compute = _micro_batches_compute(
         dims, hw, tokens=tokens, head_rows=head_rows, seq_len=seq_len, d=d, m=m, tp=tp, pp=pp,
-        dtype_bytes=dtype_bytes, use="train", recompute=recompute)
-    local_params = param_count(dims) / (tp * pp) / (d if sharding != "none" else 1)
+        dtype_bytes=dtype_bytes, use="train", recompute=recompute, lora=lora)
+    trained = param_count(dims) if lora is None else lora_param_count(dims, lora)
+    local_params = trained / (tp * pp) / (d if sharding != "none" else 1)
     compute += optimizer_seconds(hw, local_params)
 
     tp_comm = 0.0
@@ -696,7 +722,7 @@ def training_step_time(
 
     units = fsdp_units(dims, tp=tp, dtype_bytes=dtype_bytes, pp=pp)
     overlappable, not_overlappable = _data_parallel_comm(dims, sharding, d, tp, pp, hw, dp_spans_nodes, units,
-                                                         gathered=weights_gathered)
+                                                         gathered=weights_gathered, lora=lora)
     if d > 1:  # the update's own all-reduces: the batch's token counts, and the micro-batch count
         not_overlappable += (1 + (m > 1)) * collective_time("all_reduce", UPDATE_COUNTS_BYTES, d, hw, dp_spans_nodes)
     if sharding in ("fsdp", "zero2"):  # the first gather and the last reduction are one unit's
