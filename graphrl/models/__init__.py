@@ -10,9 +10,6 @@ writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` reads b
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +20,7 @@ from graphrl.executors.models.hf_checkpoint import save_hf_checkpoint, save_hf_s
 from graphrl.models.checkpoints import checkpoint_dims, is_gguf, load_state
 from graphrl.models.tokenizer import Tokenizer, load_tokenizer
 from graphrl.schemas.model import ModelDims
+from graphrl.writes import writable_folder, write_folder
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -60,37 +58,9 @@ IMPORT_MARKER = ".graphrl-import.json"
 
 
 def check_import_target(source: Path, out_dir: Path, force: bool) -> Path:
-    """The absolute folder an import may write, refusing any place where it would delete what it did not
-    write: a non-empty folder (with `force`, only one an earlier import wrote, holding nothing else), a
-    file, the working folder or a folder holding it or the source."""
-    from graphrl.errors import OutputError
-
-    target = out_dir.resolve()
-    cwd, src = Path.cwd().resolve(), source.resolve()
-    if target == target.parent or target == cwd or target in cwd.parents or target == src or target in src.parents:
-        raise OutputError(f"OUT_DIR {out_dir} is {'the working folder' if target == cwd else 'a folder holding the working folder or SRC'}",
-                          fix="name a new folder for the import, e.g. `graphrl import SRC models/NAME`")
-    if target.exists() and not target.is_dir():
-        raise OutputError(f"OUT_DIR {out_dir} is a file", fix="name a new folder for the import")
-    if target.is_dir() and any(target.iterdir()):
-        marker = target / IMPORT_MARKER
-        if not force:
-            raise OutputError(f"OUT_DIR {out_dir} is not empty; importing would replace what it holds",
-                              fix="name a new folder" + (" (or pass --force to replace this earlier import)"
-                                                         if marker.is_file() else ""))
-        if not marker.is_file():
-            raise OutputError(f"OUT_DIR {out_dir} was not written by `graphrl import` (it has no {IMPORT_MARKER}); "
-                              "--force only replaces an earlier import", fix="name a new folder, or empty this one yourself")
-        try:
-            written = set(json.loads(marker.read_text())["files"])
-        except (ValueError, KeyError, TypeError):
-            raise OutputError(f"OUT_DIR {out_dir}: its {IMPORT_MARKER} is damaged, so what the import wrote is unknown",
-                              fix="name a new folder, or empty this one yourself") from None
-        others = sorted(p.name for p in target.iterdir() if p.name not in written | {IMPORT_MARKER})
-        if others:
-            raise OutputError(f"OUT_DIR {out_dir} holds files the earlier import did not write ({', '.join(others[:5])}); "
-                              "--force would delete them", fix="move them elsewhere first, or name a new folder")
-    return target
+    """The absolute folder an import may write (`writes.writable_folder`)."""
+    return writable_folder(out_dir, label="OUT_DIR", command="import", marker=IMPORT_MARKER, force=force,
+                           inputs=[source], example="`graphrl import SRC models/NAME`")
 
 
 def import_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -111,24 +81,9 @@ def import_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     model = model.to(dtype)
     say("reading tokenizer")
     tokenizer = load_tokenizer(source) if has_tokenizer(source) else None
-    tmp = target.with_name(f".{target.name}.import-{os.getpid()}")
-    target.parent.mkdir(parents=True, exist_ok=True)
     say("writing safetensors")
-    try:
-        save_pretrained(model, tmp, tokenizer)
-        files = sorted(p.name for p in tmp.iterdir())
-        (tmp / IMPORT_MARKER).write_text(json.dumps({"source": str(source.resolve()), "dtype": str(dtype),
-                                                     "files": files}, indent=2) + "\n")
-        old = None
-        if target.is_dir():  # empty, or an earlier import checked above: moved aside, deleted once replaced
-            old = target.with_name(f".{target.name}.replaced-{os.getpid()}")
-            target.rename(old)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
+    write_folder(target, lambda folder: save_pretrained(model, folder, tokenizer), IMPORT_MARKER,
+                 {"source": str(source.resolve()), "dtype": str(dtype)})
     return out_dir
 
 

@@ -13,8 +13,6 @@ was; `force` replaces only a folder an earlier export wrote (its marker lists th
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,9 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from graphrl.errors import DataError, GraphRLWarning, OutputError
+from graphrl.errors import DataError, GraphRLWarning
 from graphrl.schemas.model import LoraSpec, ModelDims
 from graphrl.schemas.sharding import LORA_A, LORA_B, is_adapter, lora_modules, lora_params
+from graphrl.writes import writable_folder, write_folder
 
 EXPORT_MARKER = ".graphrl-export.json"
 PEFT_PREFIX = "base_model.model."  # PEFT's adapter files name a tensor by its path inside the wrapped model
@@ -99,33 +98,9 @@ def save_peft_adapter(folder: str | Path, adapters: Mapping[str, Tensor], lora: 
 
 
 def check_export_target(out: Path, run_dir: Path, force: bool) -> Path:
-    """The absolute folder an export may write: new or empty, or with `force` an earlier export's (its
-    marker lists its files and it holds nothing else); never the working folder, nor one holding it or the run."""
-    target = out.resolve()
-    cwd, run = Path.cwd().resolve(), run_dir.resolve()
-    if target == cwd or target in cwd.parents or target == run or target in run.parents:
-        place = "the working folder" if target == cwd else "the run folder or a folder holding it or the working folder"
-        raise OutputError(f"OUT {out} is {place}",
-                          fix="name a new folder for the export, e.g. `-o exports/policy`")
-    if target.exists() and not target.is_dir():
-        raise OutputError(f"OUT {out} is a file", fix="name a new folder for the export")
-    if target.is_dir() and any(target.iterdir()):
-        marker = target / EXPORT_MARKER
-        if not force:
-            raise OutputError(f"OUT {out} is not empty; exporting would replace what it holds",
-                              fix="name a new folder" + (" (or pass --force to replace this earlier export)"
-                                                         if marker.is_file() else ""))
-        try:
-            written = set(json.loads(marker.read_text())["files"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raise OutputError(f"OUT {out} was not written by `graphrl export` (it has no readable {EXPORT_MARKER}); "
-                              "--force only replaces an earlier export",
-                              fix="name a new folder, or empty this one yourself") from None
-        others = sorted(p.name for p in target.iterdir() if p.name not in written | {EXPORT_MARKER})
-        if others:
-            raise OutputError(f"OUT {out} holds files the earlier export did not write ({', '.join(others[:5])}); "
-                              "--force would delete them", fix="move them elsewhere first, or name a new folder")
-    return target
+    """The absolute folder an export may write (`writes.writable_folder`)."""
+    return writable_folder(out, label="OUT", command="export", marker=EXPORT_MARKER, force=force, inputs=[run_dir],
+                           example="`-o exports/policy`")
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, merge: bool = True,
@@ -174,36 +149,26 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
         raise DataError(f"checkpoint {checkpoint}: {model} was trained whole (its model declares no lora), so "
                         "there is no adapter to export",
                         fix="export the whole model: drop --adapter (--merge is the default)")
-    tmp = target.with_name(f".{target.name}.export-{os.getpid()}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    said = ""
+
+    def fill(folder: Path) -> None:
+        nonlocal said
         if not merge:
             assert lora is not None
-            save_peft_adapter(tmp, weights, lora, dims, entry.get("base"))
+            save_peft_adapter(folder, weights, lora, dims, entry.get("base"))
             said = f"a PEFT LoRA adapter of {where}"
             if not entry.get("base"):
                 said += " (its base is a random init: --merge writes a model that stands alone)"
         elif lora is not None:
             check_adapters(weights, dims, lora)
             base = {name: t for name, t in initial_module(plan.job, model).state_dict().items() if not is_adapter(name)}
-            export_trained(tmp, dims, merge_adapters(base, weights, lora), spec.checkpoint)
+            export_trained(folder, dims, merge_adapters(base, weights, lora), spec.checkpoint)
             said = f"a Hugging Face model of {where}, its LoRA adapters merged"
         else:
-            export_trained(tmp, dims, weights, spec.checkpoint)
+            export_trained(folder, dims, weights, spec.checkpoint)
             said = f"a Hugging Face model of {where}"
-        files = sorted(p.name for p in tmp.iterdir())
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "checkpoint": checkpoint.name,
-                                                     "files": files}, indent=2) + "\n")
-        old = None
-        if target.is_dir():  # empty, or an earlier export checked above: moved aside, deleted once replaced
-            old = target.with_name(f".{target.name}.replaced-{os.getpid()}")
-            target.rename(old)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
+
+    write_folder(target, fill, EXPORT_MARKER, {"run": str(run_dir.resolve()), "checkpoint": checkpoint.name})
     return said
 
 

@@ -15,9 +15,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from click.testing import CliRunner
 
 from graphrl.cli import main
+from run_processes import cli_run
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +30,7 @@ SMALL = ("nodes.prompts.batch_size=4", "nodes.rollout.samples_per_prompt=4")
 
 
 def run(out: Path, *sets: str, example: Path = EXAMPLE, steps: int = STEPS) -> tuple[str, list[dict]]:
-    args = ["run", str(example), "--steps", str(steps), "--out", str(out), "-q"]
-    for s in (*SMALL, *sets):
-        args += ["--set", s]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    return result.output.splitlines()[0], [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return cli_run(example, out, (*SMALL, *sets), steps=steps)
 
 
 @pytest.fixture(scope="module")

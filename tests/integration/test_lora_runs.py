@@ -12,10 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from graphrl.cli import main
+from run_processes import cli_run
 from graphrl.schemas.sharding import is_adapter
 
 pytestmark = pytest.mark.slow
@@ -27,12 +26,7 @@ SMALL = ("nodes.prompts.batch_size=4", "nodes.rollout.samples_per_prompt=4")
 
 
 def run(out: Path, *sets: str, steps: int = STEPS, resume: bool = False) -> tuple[str, list[dict]]:
-    args = ["run", str(EXAMPLE), "--steps", str(steps), "--out", str(out), "-q", *(["--resume"] if resume else [])]
-    for s in (*SMALL, *sets):
-        args += ["--set", s]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    return result.output.splitlines()[0], [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return cli_run(EXAMPLE, out, (*SMALL, *sets), steps=steps, resume=resume)
 
 
 @pytest.fixture(scope="module")
