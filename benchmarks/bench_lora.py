@@ -9,7 +9,7 @@ Per configuration, taking turns (full, LoRA, full, ...) for --repeat rounds of -
   the delivery check), and the bytes the plan moves per sync;
 - state: the trainer rank's weights, gradients and optimizer state as its ledger measured them (what the plan
   charged beside it);
-- peak RSS: the largest resident set of any process of the run (the ranks and the launcher).
+- peak RSS: the largest peak resident set (VmHWM) of any process of the run: the trainer rank's, here.
 The run folders are written under --out and removed after (the checkpoints are hundreds of MB).
 
     python benchmarks/bench_lora.py [--steps 4] [--repeat 2] [--json]
@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from graphrl.plan_io import load_plan
@@ -33,9 +34,30 @@ FULL = ROOT / "examples" / "grpo_smollm2_arith.yaml"
 LORA = ROOT / "examples" / "grpo_lora_smollm2_arith.yaml"
 LAYOUT = ("cluster=local-cpu-2", "placement.strategy=disaggregated", "placement.roles.policy/generate.devices=0-0",
           "placement.roles.policy.devices=1-1", "schedule.checkpoint_every=0")
-# Runs `graphrl run` and prints the largest resident set of its process tree (ru_maxrss of the children: KiB).
-_RSS = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
-        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(code)")
+
+
+def _peak_rss(proc: subprocess.Popen) -> int:
+    """Wait for `proc`; the largest peak resident set (VmHWM) any process of its tree reached, read every
+    0.2 s while it runs (a rank's last reading before it exits stands for its peak)."""
+    import psutil
+
+    peaks: dict[int, int] = {}
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for p in tree:
+            try:
+                status = Path(f"/proc/{p.pid}/status").read_text()
+            except OSError:
+                continue
+            line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), None)
+            if line is not None:
+                peaks[p.pid] = int(line.split()[1]) * 1024
+        time.sleep(0.2)
+    return max(peaks.values(), default=0)
 
 
 def run_once(job: Path, out: Path, steps: int) -> dict:
@@ -43,9 +65,12 @@ def run_once(job: Path, out: Path, steps: int) -> dict:
             "--overwrite"]
     for s in LAYOUT:
         args += ["--set", s]
-    done = subprocess.run([sys.executable, "-c", _RSS, *args], capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"{job.name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    log = out.with_suffix(".log")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
+        rss = _peak_rss(proc)
+    if proc.wait() != 0:
+        raise SystemExit(f"{job.name} failed:\n{log.read_text()[-3000:]}")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     syncs = [e["dur"] / 1e6 for e in events if e.get("cat") == "WeightSync" and e.get("pid") == 1
@@ -55,7 +80,7 @@ def run_once(job: Path, out: Path, steps: int) -> dict:
     sync_bytes = next((op.num_bytes for op in plan.chosen.operations if op.kind == "weight_sync"), None)
     return {"steps": [m["step_time_s"] for m in metrics[1:]], "syncs": syncs,
             "state_bytes": ledger["measured_state_bytes"], "planned_state_bytes": ledger["planned_state_bytes"],
-            "sync_bytes": sync_bytes, "rss_kib": int(done.stderr.strip().splitlines()[-1]),
+            "sync_bytes": sync_bytes, "rss_bytes": rss,
             "reward": [m["reward_mean"] for m in metrics]}
 
 
@@ -82,7 +107,7 @@ def main() -> None:
             "sync_s": statistics.median(s for r in rs for s in r["syncs"]) if any(r["syncs"] for r in rs) else None,
             "sync_bytes": rs[0]["sync_bytes"],
             "trainer_state_bytes": rs[0]["state_bytes"], "planned_state_bytes": rs[0]["planned_state_bytes"],
-            "peak_rss_bytes": max(r["rss_kib"] for r in rs) * 1024,
+            "peak_rss_bytes": max(r["rss_bytes"] for r in rs),
         }
     if a.json:
         print(json.dumps(table, indent=1))

@@ -216,9 +216,8 @@ def train_cfgs(p: SearchSpace, first: int, n: int) -> list[TrainCfg]:
         if p.mini_batch and dp * fsdp > p.mini_batch:
             continue  # a data-parallel rank would hold no row of a mini-batch
         for sharding in shardings:
-            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding, lora=role.lora is not None)
-            pinned = {"pp": hint.pp == pp, "tp": hint.tp == tp}  # a preview lays out what the user pinned
-            if refusal is not None and not (p.target == "preview" and pinned.get(refusal.field, False)):
+            refusal = train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)
+            if refusal is not None and not (p.target == "preview" and refusal.field == "pp" and hint.pp == pp):
                 continue
             for recompute in (False, True):
                 for offload in offloads:
@@ -349,9 +348,6 @@ def _check_pin_values(role: Role, hint: RoleHint, path: tuple[str, ...], target:
                                  "new weights into vLLM's experts is not verified (its CPU build's reload leaves them "
                                  "wrong)", path=path + ("engine",), fix="use engine: native (it shares the experts "
                                  "out over its tp group and records the routes routing replay needs)")
-        if engine == "vllm" and role.lora is not None:
-            raise PlacementError(f"engine 'vllm' does not run {role.model!r}, a LoRA model, here: its adapters are "
-                                 "synced into graphrl's own sampler", path=path + ("engine",), fix="use engine: native")
         if target == "run" and not engine_available(engine):
             raise PlacementError(f"engine {engine!r} is not installed here (the vllm package cannot be imported)",
                                  path=path + ("engine",), fix=f"{VLLM_INSTALL}; or use engine: native")
@@ -422,8 +418,7 @@ def _check_pin_meshes(p: SearchSpace, role: Role, hint: RoleHint, path: tuple[st
         shardings = [hint.sharding] if hint.sharding else SHARDING_SEARCH_ORDER
         refusals = [r for s in sorted(sizes) for tp, pp, dp, fsdp in train_shapes(role, hint, s, p.per_node)
                     for sharding in shardings
-                    if (r := train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding,
-                                                  lora=role.lora is not None)) is not None]
+                    if (r := train_layout_refusal(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sharding=sharding)) is not None]
         if refusals:
             refusal = refusals[0]
             field_ = refusal.field if getattr(hint, refusal.field, None) is not None else "sharding"

@@ -42,15 +42,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphrl.schemas.sharding import (LLAMA_EMBEDDING, ModuleSpec, TpStyle, fsdp_layer_units, fsdp_shard_dim, llama_modules,
-                                      tp_split_problem)
+                                      tp_split_dim, tp_split_problem)
 from graphrl.executors.models.llama import LlamaCritic, PackedSequences
+from graphrl.executors.models.lora import Adapted
 from graphrl.executors.models.sampling import token_logprobs_and_entropy, token_values
 
 
-def _parallel_style(spec: ModuleSpec) -> Any:
-    """The `parallelize_module` style of one module, from its style in the model's sharding description.
+def _parallel_style(spec: ModuleSpec, name: str, adapted: bool = False) -> Any:
+    """The `parallelize_module` style of module `name`, from its style in the model's sharding description.
     The vocabulary-parallel modules differ by position: the embedding looks rows up and returns whole
-    activations, the head multiplies and returns whole logits."""
+    activations, the head multiplies and returns whole logits. An `adapted` projection (LoRA) also places
+    its adapters (`_adapted_style`)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -58,7 +60,25 @@ def _parallel_style(spec: ModuleSpec) -> Any:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if spec.tp is TpStyle.VOCAB:
         return ColwiseParallel(output_layouts=Replicate())
-    return ColwiseParallel() if spec.tp is TpStyle.COLWISE else RowwiseParallel()
+    style = ColwiseParallel if spec.tp is TpStyle.COLWISE else RowwiseParallel
+    return _adapted_style(style, name)() if adapted else style()
+
+
+def _adapted_style(style: type, name: str) -> type:
+    """`style` (column- or row-parallel) for the LoRA-adapted projection `name`: its weight and bias are cut as
+    the style cuts them, and its adapters as the model's sharding description says (`tp_split_dim`: A whole
+    and B's rows under a column-parallel weight, A's columns and B whole under a row-parallel one), all as
+    DTensors, so the adapters' gradients are reduced over tp where they are partial. torch's styles cut every
+    parameter of a linear the same way, and only a module's own: the adapters are submodules."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def partition(self: Any, sub: str, module: nn.Module, device_mesh: Any) -> None:
+        for kind, param in list(module.named_parameters(recurse=False)):
+            dim = tp_split_dim(f"{name}.{sub}.{kind}" if sub else f"{name}.{kind}")
+            placed = distribute_tensor(param, device_mesh, [Replicate() if dim is None else Shard(dim)])
+            module.register_parameter(kind, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+    return type(f"Adapted{style.__name__}", (style,), {"_partition_linear_fn": partition})
 
 
 class PolicyForward(nn.Module):
@@ -294,8 +314,8 @@ def parallelize_llama(model: nn.Module, tp_mesh: Any, *, pack: bool = False) -> 
             if norm is not None:
                 norm.grad_group = tp_mesh.get_group()
     head = "value" if isinstance(model, LlamaCritic) else "lm"
-    plan = {name: _parallel_style(spec) for name, spec, _ in llama_modules(dims, head)
-            if spec.tp is not TpStyle.REPLICATE}
+    plan = {name: _parallel_style(spec, name, isinstance(model.get_submodule(name), Adapted))
+            for name, spec, _ in llama_modules(dims, head) if spec.tp is not TpStyle.REPLICATE}
     parallelize_module(model, tp_mesh, plan)
     if isinstance(model, LlamaCritic):
         return CriticForward(model, pack=pack)

@@ -346,7 +346,9 @@ def _pieces(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
 # ---------------------------------------------------------------------------------------------
 # Delivery check: the generator samples what the trainer holds
 
-PROBE_TOKENS = 16
+# A probe reads every weight once whatever its length (a forward over a few tokens is bound by reading the
+# weights): a few tokens suffice to see adapters that did not arrive, and cost little more than one decode step.
+PROBE_TOKENS = 4
 PROBE_TAG = 1 << 29  # apart from the rollouts' tags (`schedule.TAG_STRIDE` per step)
 
 

@@ -101,7 +101,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                how="graphrl's own KV-cache sampler (tensor-parallel when tp > 1)"),
     Capability(kind="engine", value="vllm", roles=("generate",), support="runs",
                how="a vLLM engine per replica, at the model's dtype: in the rank's process, or with tp > 1 on the "
-                   "replica's first rank with a worker per rank; weights reloaded in place after every sync; "
+                   "replica's first rank with a worker per rank; weights reloaded in place after every sync (a LoRA "
+                   "model's adapters through vLLM's LoRA path, a new adapter id per version); "
                    "colocated with the trainer on GPUs it sleeps between its generations",
                requires="vllm installed, and pinned (the search never picks an engine)"),
 )
@@ -127,7 +128,7 @@ class Refusal:
     fix: str
 
 
-def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str, lora: bool = False) -> Refusal | None:
+def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str) -> Refusal | None:
     """Why the executors cannot run a trainer mesh of this shape and sharding, or None when they can.
 
     Read from `CAPABILITIES`: pp > 1 is preview-only; a ZeRO stage (zero1/zero2/fsdp) needs more than one
@@ -138,9 +139,6 @@ def train_layout_refusal(*, dp: int, fsdp: int, tp: int, pp: int, sharding: str,
                        "drop the pin (pp 1) to let the search choose a layout that runs")
     if not runs("sharding", sharding, "train"):
         return Refusal("sharding", f"sharding {sharding!r} does not run", "use none, zero1, zero2 or fsdp")
-    if lora and tp > 1:
-        return Refusal("tp", f"tp {tp}: a LoRA trainer runs with tp 1 (its adapters are not laid out as DTensors)",
-                       "use tp: 1 (fsdp shards the frozen base over the data-parallel ranks)")
     data_parallel = dp * fsdp
     if sharding != "none" and data_parallel == 1:
         return Refusal("sharding", f"sharding {sharding!r} on one data-parallel rank has nothing to shard over "
@@ -224,10 +222,7 @@ def plan_refusals(plan: "Plan") -> list[PlanRefusal]:
         found = [dtype_refusal(p.kind, plan.job.models[p.model].dtype),
                  precision_refusal(p.kind, p.precision, hardware_fp8=fp8, lora=lora)]
         if p.kind == "train":
-            found.append(train_layout_refusal(dp=p.dp, fsdp=p.fsdp, tp=p.tp, pp=p.pp, sharding=p.sharding, lora=lora))
-        elif lora and p.engine != "native":
-            found.append(Refusal("engine", f"engine {p.engine!r} does not run a LoRA model's generator here",
-                                 "use engine: native"))
+            found.append(train_layout_refusal(dp=p.dp, fsdp=p.fsdp, tp=p.tp, pp=p.pp, sharding=p.sharding))
         elif p.pp > 1:
             found.append(Refusal("pp", f"pp {p.pp}: pipeline-parallel execution is not implemented",
                                  "drop the pin (pp 1)"))

@@ -422,9 +422,15 @@ def lora_params(dims: ModelDims, lora: LoraSpec) -> list[ParamInfo]:
 
 
 @functools.cache
-def lora_param_count(dims: ModelDims, lora: LoraSpec) -> int:
-    """Parameters of all adapters: rank * (in + out) per targeted projection."""
-    return sum(lora.rank * (cols + rows) for _, _, cols, rows in lora_modules(dims, lora))
+def lora_param_count(dims: ModelDims, lora: LoraSpec, tp: int = 1) -> int:
+    """Parameters of all adapters: rank * (in + out) per targeted projection; with `tp`, those one rank of a
+    tensor-parallel group holds (A or B whole, the other cut, as `tp_split_dim` says; the largest piece)."""
+    total = 0
+    for name, _, cols, rows in lora_modules(dims, lora):
+        for part, size in ((LORA_A, cols), (LORA_B, rows)):
+            cut = tp_split_dim(f"{name}.{part}.weight") is not None and tp > 1
+            total += lora.rank * (-(-size // tp) if cut else size)
+    return total
 
 
 def is_adapter(name: str) -> bool:

@@ -135,7 +135,7 @@ def training_memory(
     offload_params: bool = False,
     flash_attention: bool = True,
     compute_bytes: int = BF16_BYTES,
-    adapter_params: int | None = None,
+    adapter_params: float | None = None,
 ) -> tuple[MemoryBreakdown, MemoryBreakdown]:
     """Bytes a training role holds per device, and per device in host memory: (device, host).
 
@@ -153,8 +153,9 @@ def training_memory(
         a model smaller than that is one unit, gathered whole.
     offload_optimizer moves the optimizer state to host; offload_params moves the weight and gradient
     shards to host (FSDP2 CPUOffloadPolicy), leaving only the gathered buffers on the device.
-    `adapter_params`: LoRA adapters train on a frozen base: the weights are the base's and the adapters',
-    gradients and optimizer state the adapters' alone (sharded as above).
+    `adapter_params`: LoRA adapters train on a frozen base: the weights are the base's and the adapters' (those
+    one tp rank holds, `lora_param_count(..., tp)`), gradients and optimizer state the adapters' alone (sharded
+    over the data-parallel group as above).
 
     Activations for one micro-batch of `micro_batch_tokens` tokens on one data-parallel rank, with
     L/pp layers per stage, per token per layer:
@@ -169,9 +170,10 @@ def training_memory(
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; expected one of {SHARDINGS}")
     d = dp * fsdp
-    base = param_count(dims)
-    params_per_device = (base + (adapter_params or 0)) / (tp * pp)
-    trained_share = 1.0 if adapter_params is None else adapter_params / (base + adapter_params)
+    base_per_device = param_count(dims) / (tp * pp)
+    adapters_per_device = (adapter_params or 0.0) / pp
+    params_per_device = base_per_device + adapters_per_device
+    trained_share = 1.0 if adapter_params is None else adapters_per_device / params_per_device
     trained_per_device = params_per_device * trained_share
     mixed = compute_bytes < FP32_BYTES
     master = FP32_BYTES if mixed else 0  # an fp32 copy of the weights beside the compute-dtype ones
@@ -276,13 +278,13 @@ def train_state(p: Problem, role: Role, cfg: TrainCfg) -> tuple[MemoryBreakdown,
     return training_memory(
         role.dims, dp=cfg.dp, fsdp=cfg.fsdp, tp=cfg.tp, pp=cfg.pp, sharding=cfg.sharding,  # type: ignore[arg-type]
         micro_batch_tokens=micro_tokens(p, cfg), seq_len=p.workload.seq_len, recompute=cfg.recompute,
-        compute_bytes=role.weight_bytes, adapter_params=adapter_count(role),
+        compute_bytes=role.weight_bytes, adapter_params=adapter_count(role, cfg.tp),
     )
 
 
-def adapter_count(role: Role) -> int | None:
-    """A LoRA role's adapter parameters (None: the role trains, or holds, no adapters)."""
-    return lora_param_count(role.dims, role.lora) if role.lora is not None else None
+def adapter_count(role: Role, tp: int = 1) -> int | None:
+    """A LoRA role's adapter parameters on one rank of a tp group (None: the role has no adapters)."""
+    return lora_param_count(role.dims, role.lora, tp) if role.lora is not None else None
 
 
 def infer_state(p: Problem, role: Role, cfg: TrainCfg) -> MemoryBreakdown:
@@ -401,10 +403,10 @@ def gen_weights(role: Role, tp: int, precision: str) -> float:
     """A generator's weight bytes per device: the model's own dtype (a float32 CPU model stores 4 bytes per
     weight); with fp8, the block linears at 1 byte plus their scales and the rest still at the dtype."""
     dtype_bytes = max(role.weight_bytes, BF16_BYTES)
-    adapters = (adapter_count(role) or 0) * dtype_bytes  # a LoRA generator's adapters beside its base
+    adapters = (adapter_count(role, tp) or 0) * dtype_bytes  # a LoRA generator's share of the adapters
     if precision == "fp8":
-        return (weight_bytes(role.dims, PRECISION_BYTES["fp8"], dtype_bytes) + adapters) / tp
-    return (weight_bytes(role.dims, dtype_bytes) + adapters) / tp
+        return weight_bytes(role.dims, PRECISION_BYTES["fp8"], dtype_bytes) / tp + adapters
+    return weight_bytes(role.dims, dtype_bytes) / tp + adapters
 
 
 def engine_weights(role: Role, tp: int, precision: str, engine: str) -> float:

@@ -114,7 +114,7 @@ def generation_phase(p: Problem, gen: GenCfg, free_bytes: float, *, reads: bool 
     batch = math.ceil(share / waves)
     timed = functools.partial(generation_time, role.dims, batch, tp=gen.tp, precision=gen.precision, hw=p.hw,
                     intra_node=not p.tp_group_spans(gen.tp), dtype_bytes=role.weight_bytes,
-                    continuous=engine != "native")
+                    continuous=engine != "native", lora=role.lora)
     if w.episode is None:
         t = waves * timed(prompt_len=w.prompt_len, response_len=w.response_len, lengths=lengths)
         env = 0.0

@@ -477,9 +477,11 @@ def generation_time(
     kv_bytes_per_elem: float | None = None,
     lengths: Lengths | None = None,
     continuous: bool = False,
+    lora: LoraSpec | None = None,
 ) -> float:
     """Seconds for one generator replica (a tp group) to answer `batch` prompts: a prefill forward over the
-    prompts, then one forward per further token.
+    prompts, then one forward per further token (with `lora`, every pass also runs the adapters' matmuls:
+    they are applied beside the base weights, not merged into them).
 
     - lengths: the responses' length distribution (default: every response `response_len` long). The
       native sampler decodes its batch in lockstep until its longest response ends
@@ -508,6 +510,8 @@ def generation_time(
     att_prompt, _ = attention_seconds_per_key(dims, hw, prompt_tokens, tp, kv, read_kv=False)
     prefill = layers * (_layer_without_attention(dims, hw, prompt_tokens, tp, dtype_bytes, precision)
                         + att_prompt * prompt_len)
+    if lora is not None:
+        prefill += layers * adapter_linear_seconds(dims, hw, prompt_tokens, tp, dtype_bytes, lora)
     prefill += head_seconds(dims, hw, batch, tp, dtype_bytes, "generate")
     prefill += _tp_comm_per_pass(dims, prompt_tokens, batch, tp, hw, spans_nodes)
 
@@ -524,6 +528,8 @@ def generation_time(
         # steps * (prompt_len + mean t - 1) over the span's tokens t.
         per_step = decode_step_cost(dims, math.ceil(rows), 0, tp, hw, precision=precision, dtype_bytes=dtype_bytes,
                                     kv_bytes_per_elem=kv, intra_node=intra_node)
+        if lora is not None:
+            per_step += layers * adapter_linear_seconds(dims, hw, math.ceil(rows), tp, dtype_bytes, lora)
         att_compute, att_memory = attention_seconds_per_key(dims, hw, rows, tp, kv, read_kv=True)
         keys = steps * (prompt_len + (max(first, 1.0) + 1 + last) / 2 - 1)
         device = steps * per_step + layers * max(att_compute, att_memory) * keys

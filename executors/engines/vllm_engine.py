@@ -18,6 +18,12 @@ parts together; then the prefix cache is reset, since cached blocks hold keys of
 files, no restart. On the CPU backend `model.load_weights` cannot be used (linear weights are repacked
 for oneDNN); the in-place reload handles that.
 
+LoRA: a generator of a LoRA model keeps its base in the engine as loaded at start and samples with the
+adapters through vLLM's own LoRA path (`enable_lora`, at the smallest rank vLLM offers that holds the model's):
+after every sync the adapters the sync delivered into the role's module are written as a PEFT folder and
+named by a `LoRARequest` of an id of their own, so vLLM loads each version once and its prefix cache, keyed by
+the adapter's id, never serves blocks computed under an older version.
+
 Sleep: a plan whose generator shares its devices with the trainer on GPUs marks the engine to sleep
 (`RolePlacement.sleeps`). It is started with vLLM's sleep mode and sleeps at level 2 whenever it is not
 generating: its weights and KV cache are freed, not copied to the host. On waking it takes the weights
@@ -50,7 +56,9 @@ from graphrl.schemas.job import Engine
 from graphrl.schemas.plan import RolePlacement
 
 from graphrl.executors.engines import EngineContext, GenerationRequest, pad_piece, rank_cores
+from graphrl.executors.models.lora import adapter_state, lora_spec_of
 from graphrl.executors.tensor_parallel import TensorParallelGroup, TensorParallelLlama
+from graphrl.schemas.sharding import is_adapter
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # vLLM needs room for at least one sequence of the model's length; blocks round it up.
@@ -122,6 +130,10 @@ class VllmEngine:
         self.group = group
         self.asleep = False
         self.last_sync_s = 0.0
+        self.lora = lora_spec_of(module)  # the adapters the module holds: sampled through vLLM's LoRA path
+        self.lora_request: Any = None
+        self.adapter_root: Path | None = None
+        self.versions = 0
 
     @property
     def leads(self) -> bool:
@@ -161,7 +173,8 @@ class VllmEngine:
         try:
             from graphrl.executors.models.hf_checkpoint import save_hf_state
 
-            save_hf_state(weights if weights is not None else module.state_dict(), module.dims, folder)  # type: ignore[arg-type]
+            state = weights if weights is not None else module.state_dict()
+            save_hf_state({k: v for k, v in state.items() if not is_adapter(k)}, module.dims, folder)  # type: ignore[arg-type]
             parallel = ({"tensor_parallel_size": placement.tp, "distributed_executor_backend": "mp"}
                         if group is not None else {"tensor_parallel_size": 1})
             if group is not None:
@@ -174,6 +187,8 @@ class VllmEngine:
                       # buffers: 96 MiB less held beside SmolLM2-135M on CPU, in fp32 and bf16 alike)
                       **({"max_num_seqs": context.max_batch} if context.max_batch else {}),
                       **({"enable_sleep_mode": True} if placement.sleeps else {}),
+                      **({"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_lora_rank(engine.lora.rank)}
+                         if engine.lora is not None else {}),
                       **({"gpu_memory_utilization": gpu_memory_share(placement, kv_bytes, context.device_memory_bytes)}
                          if context.device.type == "cuda" else {}))
         except RunError:
@@ -230,7 +245,8 @@ class VllmEngine:
                                  logprobs=0, stop_token_ids=list(request.stop_ids), ignore_eos=True, detokenize=False)
                   for i in range(n)]
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            adapter = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, **adapter)
         except Exception as exc:  # noqa: BLE001 - an engine that dies mid-run ends the rank with its cause
             raise RunError(f"rank {self.rank}: the vLLM engine of role {self.role} failed while generating step "
                            f"{request.step} ({type(exc).__name__}: {str(exc)[:300]})",
@@ -243,7 +259,8 @@ class VllmEngine:
 
         started = time.perf_counter()
         # checkpoint names: a mixture of experts' stacked experts one tensor per expert
-        named = [(name, t.detach()) for name, t in hub_tensors(weights, self.module.dims)]  # type: ignore[arg-type]
+        named = [(name, t.detach()) for name, t in hub_tensors(((n, t) for n, t in weights if not is_adapter(n)),
+                                                               self.module.dims)]  # type: ignore[arg-type]
         try:
             self.llm.collective_rpc(_reload, args=(named,))
             self.llm.reset_prefix_cache()
@@ -271,9 +288,36 @@ class VllmEngine:
 
     def weights_updated(self) -> None:
         """Reload the role's module (the staging tensors the sync filled) into the engine; an engine asleep
-        takes them when it wakes."""
-        if not self.asleep:
+        takes them when it wakes. A LoRA model's sync changed its adapters alone: they become the engine's
+        next adapter."""
+        if self.lora is not None:
+            self._next_adapter()
+        elif not self.asleep:
             self._reload_module()
+
+    def _next_adapter(self) -> None:
+        """Write the adapters the role's module holds (gathered whole on a tensor-parallel replica: a
+        collective) as a PEFT folder and sample with them from now on, under an id of their own."""
+        from graphrl.models.adapters import save_peft_adapter
+
+        started = time.perf_counter()
+        adapters = ({n: t for n, t in self.module.gather_full() if is_adapter(n)}  # type: ignore[operator]
+                    if self.group is not None else adapter_state(self.module))
+        if not self.leads:
+            return
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter_root is None:
+            self.adapter_root = Path(tempfile.mkdtemp(prefix=f"graphrl-vllm-adapters-rank{self.rank}-"))
+        self.versions += 1
+        folder = self.adapter_root / f"v{self.versions}"
+        assert self.lora is not None
+        save_peft_adapter(folder, {n: t.detach().float() for n, t in adapters.items()}, self.lora,
+                          self.module.dims, None)  # type: ignore[arg-type]
+        # vLLM reads the folder when the id is first used; the folder before it is no longer read
+        shutil.rmtree(self.adapter_root / f"v{self.versions - 2}", ignore_errors=True)
+        self.lora_request = LoRARequest(f"graphrl-{self.role}-v{self.versions}", self.versions, str(folder))
+        self.last_sync_s = time.perf_counter() - started
 
     def sleep(self) -> None:
         """Free the engine's weights and KV cache (level 2: nothing kept on the host)."""
@@ -303,6 +347,21 @@ class VllmEngine:
         engine's workers end with this process: vLLM's explicit shutdown would also destroy the rank's
         own default process group, which the run still uses."""
         self.llm = None
+        if self.adapter_root is not None:
+            shutil.rmtree(self.adapter_root, ignore_errors=True)
+
+
+# The ranks vLLM's LoRA path is started with (`LoRAConfig.max_lora_rank`); an adapter of a smaller rank fits.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM starts its LoRA path with that holds adapters of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise RunError(f"LoRA rank {rank} is larger than vLLM's largest ({VLLM_LORA_RANKS[-1]})",
+                   fix=f"use a rank of at most {VLLM_LORA_RANKS[-1]}, or engine: native")
 
 
 def _replica_group(placement: RolePlacement, module: nn.Module, context: EngineContext) -> TensorParallelGroup | None:
@@ -326,4 +385,4 @@ def _replica_members(group: TensorParallelGroup | None, context: EngineContext) 
     return [tuple(m) for m in members]
 
 
-__all__ = ["VllmEngine", "kv_cache_bytes"]
+__all__ = ["VLLM_LORA_RANKS", "VllmEngine", "kv_cache_bytes", "vllm_lora_rank"]

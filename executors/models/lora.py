@@ -97,6 +97,15 @@ def adapt(model: nn.Module, dims: ModelDims, lora: LoraSpec, *, seed: int | None
     return model
 
 
+def lora_spec_of(model: nn.Module) -> LoraSpec | None:
+    """The adapters `model` holds, as a declaration (rank, alpha, the projections adapted), or None."""
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, Adapted)]
+    if not modules:
+        return None
+    rank = modules[0][1].lora_A.weight.shape[0]
+    return LoraSpec(rank=rank, alpha=modules[0][1].scaling * rank, targets=tuple(sorted({n.split(".")[-1] for n, _ in modules})))
+
+
 def adapted_modules(model: nn.Module) -> list[Adapted]:
     return [m for m in model.modules() if isinstance(m, Adapted)]
 
@@ -134,4 +143,4 @@ def merged_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 __all__ = ["ADAPTED", "Adapted", "LoraLinear", "adapt", "adapted_modules", "adapter_state", "adapters_off",
-           "merged_state"]
+           "lora_spec_of", "merged_state"]

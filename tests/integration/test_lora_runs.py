@@ -1,5 +1,5 @@
 """LoRA jobs run every way a full job runs (`graphrl run`, gloo ranks on CPU): on one rank, on an FSDP2 trainer
-whose generator samples from it, with the adapters synced by DDMA into a generator on another rank, and into a
+whose generator samples from it, on a tensor-parallel trainer, with the adapters synced by DDMA into a generator on another rank, and into a
 tp=2 generator's shards (each sync checked by the generator's log-probs of a probe sequence); the reference is
 the policy's base with its adapters off; checkpoints hold the adapters and resume exactly.
 
@@ -66,6 +66,14 @@ def test_adapters_synced_by_ddma_into_another_rank_and_into_tp_shards(tmp_path: 
     assert max(r["mismatch_abs_max"] for r in split) < 1e-5  # the generator samples the trainer's adapters
     label, sharded = run(tmp_path / "tp", "placement.strategy=colocated", "placement.roles.policy/generate.tp=2")
     assert "tp2" in label
+    _same_run(sharded, single)
+
+
+def test_a_tensor_parallel_trainer_trains_its_adapters_as_one_rank_does(tmp_path: Path, single: list[dict]) -> None:
+    # adapters as DTensors cut as the inventory says: A whole and B's rows under q/k/v/gate/up, A's columns and B
+    # whole under o/down; their gradients reduced over tp where they are partial
+    label, sharded = run(tmp_path / "tp_trainer", "placement.roles.policy.tp=2")
+    assert "train[tp2" in label
     _same_run(sharded, single)
 
 

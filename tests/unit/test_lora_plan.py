@@ -78,23 +78,25 @@ def test_the_preview_sets_lora_beside_full_training_and_70b_fits_where_full_does
     assert _compile("llama3_70b.yaml").lora is None
 
 
-@pytest.mark.parametrize(("sets", "field", "message"), [
-    (("models.reference.lora.rank=4",), "models.reference.lora", "no train node trains it"),
-    (("placement.roles.policy/generate.engine=vllm",), "engine", "a LoRA model"),
+@pytest.mark.parametrize(("example", "sets", "field", "message"), [
+    ("grpo_lora_tiny.yaml", ("models.reference.lora.rank=4",), "models.reference.lora", "no train node trains it"),
+    ("ppo_tiny.yaml", ("models.critic.lora.rank=4",), "models.critic.lora", "is a critic"),
+    ("grpo_lora_tiny.yaml", ("placement.roles.policy/generate.precision=fp8",), "precision", "adapters wrap"),
 ])
-def test_bad_lora_declarations_are_refused_by_field(sets: tuple[str, ...], field: str, message: str) -> None:
+def test_bad_lora_declarations_are_refused_by_field(example: str, sets: tuple[str, ...], field: str,
+                                                    message: str) -> None:
     with pytest.raises(GraphRLError, match=message) as caught:
-        _compile("grpo_lora_tiny.yaml", *sets)
+        _compile(example, *sets)
     assert field in ".".join(caught.value.path)
 
 
-def test_layouts_the_executors_do_not_run_with_adapters_are_refused() -> None:
-    pinned = _compile("llama3_8b.yaml", "models.policy.lora.rank=16", "placement.roles.policy.tp=2")
-    assert any("LoRA trainer runs with tp 1" in r.message() for r in plan_refusals(pinned))
-    searched = _compile("llama3_8b.yaml", "models.policy.lora.rank=16", target="run")
-    policy = next(p for p in searched.chosen.placements if p.role == "policy")
-    generator = next(p for p in searched.chosen.placements if p.kind == "generate")
-    assert policy.tp == 1 and generator.precision != "fp8" and not plan_refusals(searched)
+def test_a_tensor_parallel_lora_trainer_and_a_vllm_generator_are_planned_to_run() -> None:
+    plan = _compile("llama3_8b.yaml", "models.policy.lora.rank=16", "placement.roles.policy.tp=2",
+                    "placement.roles.policy/generate.engine=vllm")
+    policy = next(p for p in plan.chosen.placements if p.role == "policy")
+    generator = next(p for p in plan.chosen.placements if p.kind == "generate")
+    assert policy.tp == 2 and generator.engine == "vllm" and generator.precision != "fp8"
+    assert not plan_refusals(plan)
 
 
 @pytest.fixture(scope="module")
