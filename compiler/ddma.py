@@ -697,11 +697,13 @@ DDMA_BUCKET_BYTES = 256 << 20
 
 
 def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
-                    bucket_bytes: int = DDMA_BUCKET_BYTES, *, lora: LoraSpec | None = None) -> DdmaPlan:
+                    bucket_bytes: int = DDMA_BUCKET_BYTES, *, lora: LoraSpec | None = None,
+                    merged: bool = False) -> DdmaPlan:
     """The DDMA plan of a Llama model's trainer -> generator copy, from the model's sharding description.
-    Into an fp8 generator, in staging groups of layers (`sync_staging_layers`). With `lora`, of the adapters
-    alone: the generator keeps the base weights it loaded."""
-    layers = sync_staging_layers(dims, dst, precision) if lora is None else None
+    Into an fp8 generator, and from a trainer that folds its LoRA adapters into what it sends (`merged`), in
+    staging groups of layers (`sync_staging_layers`). With `lora`, of the adapters alone: the generator keeps
+    the base weights it loaded."""
+    layers = None if lora is not None else sync_staging_layers(dims, dst, precision, merged=merged, src=src)
     params = llama_params(dims) if lora is None else lora_params(dims, lora)
     plan = plan_weight_sync(params, src_mesh=src, src_layout=llama_layout_on(src), dst_mesh=dst,
                             dst_layout=llama_layout_on(dst), src_bytes_per_elem=WIRE_BYTES_PER_ELEM,
@@ -710,11 +712,16 @@ def plan_llama_sync(dims: ModelDims, src: Mesh, dst: Mesh, precision: str,
     return plan if layers is None else replace(plan, staging_layers=layers)
 
 
-def sync_staging_layers(dims: ModelDims, dst: Mesh, precision: str) -> int | None:
+def sync_staging_layers(dims: ModelDims, dst: Mesh, precision: str, *, merged: bool = False,
+                        src: Mesh | None = None) -> int | None:
     """Layers per staging group of a sync into a generator stored at `precision`: an fp8 generator stages
-    its block linears at the wire's dtype before quantizing them (`staging_layers`); None for one that
-    receives straight into its weights."""
-    return staging_layers(dims, dst.size(MeshAxis.TP)) if PRECISION_BYTES[precision] < WIRE_BYTES_PER_ELEM else None
+    its block linears at the wire's dtype before quantizing them (`staging_layers`), and a trainer that
+    merges its adapters stages its shards of the merged linears (`merged`, on `src`); None for a sync that
+    moves weights as they are held."""
+    parts = [staging_layers(dims, dst.size(MeshAxis.TP))] if PRECISION_BYTES[precision] < WIRE_BYTES_PER_ELEM else []
+    if merged and src is not None:
+        parts.append(staging_layers(dims, src.size(MeshAxis.TP) * src.size(MeshAxis.FSDP)))
+    return min(parts) if parts else None
 
 
 _REGION = attrgetter("region")

@@ -33,7 +33,7 @@ class Role:
     ops: tuple[str, ...]
     weight_bytes: int  # bytes per parameter of the compute weights (dtype)
     forwards: bool = False  # runs forward-only passes (log-probs, values, a reward model's scores)
-    lora: LoraSpec | None = None  # a trained model's adapters: the base is frozen, the adapters train and sync
+    lora: LoraSpec | None = None  # adapters the role holds: a trainer trains them, a generator receives them
     bases: tuple[str, ...] = ()  # frozen models whose forwards this role runs as its base, adapters off
 
 
@@ -218,7 +218,9 @@ def derive_roles(graph: JobGraph) -> list[Role]:
             roles.append(Role(model, model, "train", dims, other_ops + base_ops, wbytes, forwards or bool(base_ops),
                               lora=mspec.lora, bases=base_of))
             if gen_ops:
-                roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes, lora=mspec.lora))
+                # a generator that receives the adapters holds them; one that receives merged weights is plain
+                held = mspec.lora if mspec.lora is not None and mspec.lora.sync == "adapters" else None
+                roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes, lora=held))
         else:
             if other_ops:
                 roles.append(Role(model, model, "infer", dims, other_ops, wbytes, forwards))

@@ -27,7 +27,7 @@ from graphrl.schemas.weightsync import WeightSyncKind, WeightSyncRecord
 from graphrl.compiler.background import Later
 from graphrl.compiler.cost import BF16_BYTES, timing
 from graphrl.compiler.ddma import DDMA_BUCKET_BYTES, gc_paused, plan_llama_sync, sync_record
-from graphrl.compiler.roles import JobShape
+from graphrl.compiler.roles import JobShape, Role
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,11 @@ def plan_policy_sync(shape: JobShape, layout: Layout, durations: Mapping[CostKey
         if not (stored and needs_record("in_place", placement.tp)):
             return WeightSyncPlan("in_place", transfer, Later.now((seconds, None)))
         planned = ddma_record_later(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
-                                    precision, lora=policy.lora)
+                                    precision, lora=gen_role.lora, merged=merges(policy, gen_role))
         return WeightSyncPlan("in_place", transfer, planned.then(
             lambda made: (seconds, made[0].model_copy(update={"predicted_s": seconds}))))
     planned = ddma_record_later(policy.dims, policy.model, shape.hardware, shape.devices_per_node, train, gen,
-                                precision, lora=policy.lora)
+                                precision, lora=gen_role.lora, merged=merges(policy, gen_role))
     if placement.engine == "native":
         return WeightSyncPlan("ddma", transfer, planned.then(lambda made: (made[1], made[0])))
     # The engine then takes the delivered weights into its own.
@@ -106,18 +106,24 @@ def with_sync_timed(layout: Layout, sync: WeightSyncPlan) -> Layout:
 BACKGROUND_MIN_PAIRS = 4096
 
 
+def merges(policy: Role, generator: Role) -> bool:
+    """Whether a weight sync folds the policy's adapters into the weights it sends (`lora.sync: merged`)."""
+    return policy.lora is not None and generator.lora is None
+
+
 @functools.lru_cache(maxsize=16)
 def ddma_record_later(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
-                      precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES, *, lora: LoraSpec | None = None
-                      ) -> Later[tuple[WeightSyncRecord, float]]:
+                      precision: str, bucket_bytes: int = DDMA_BUCKET_BYTES, *, lora: LoraSpec | None = None,
+                      merged: bool = False) -> Later[tuple[WeightSyncRecord, float]]:
     """`ddma_record`'s result, made in a forked child where the plan is large and a spare core runs it.
 
     Cached: the periodic schedule is folded from short transcripts of the same layout, and `simulate`
     schedules one layout both sync and async; a 405B plan takes a second to make. The record is frozen.
-    With `lora`, the adapters alone are synced (the generator keeps the base it loaded)."""
+    With `lora`, the adapters alone are synced (the generator keeps the base it loaded); `merged`: the trainer
+    folds its adapters in, a staging group of layers at a time."""
     if len(src.devices) * len(dst.devices) >= BACKGROUND_MIN_PAIRS:
-        return Later.forked(_ddma_record, dims, model, hw, per_node, src, dst, precision, bucket_bytes, lora)
-    return Later.now(_ddma_record(dims, model, hw, per_node, src, dst, precision, bucket_bytes, lora))
+        return Later.forked(_ddma_record, dims, model, hw, per_node, src, dst, precision, bucket_bytes, lora, merged)
+    return Later.now(_ddma_record(dims, model, hw, per_node, src, dst, precision, bucket_bytes, lora, merged))
 
 
 def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
@@ -129,9 +135,10 @@ def ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, sr
 
 
 def _ddma_record(dims: ModelDims, model: str, hw: HardwareSpec, per_node: int, src: Mesh, dst: Mesh,
-                 precision: str, bucket_bytes: int, lora: LoraSpec | None = None) -> tuple[WeightSyncRecord, float]:
+                 precision: str, bucket_bytes: int, lora: LoraSpec | None = None,
+                 merged: bool = False) -> tuple[WeightSyncRecord, float]:
     with gc_paused():  # the plan is dropped before the collector runs again (~10^6 objects at 405B)
-        plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes, lora=lora)
+        plan = plan_llama_sync(dims, src, dst, precision, bucket_bytes, lora=lora, merged=merged)
         spans = timing.group_spans_nodes(list(src.devices) + list(dst.devices), per_node)
         seconds = timing.weight_copy_seconds(hw, [r.max_bucket_bytes for r in plan.rounds], spans)
         record = sync_record(plan, model, src, dst, seconds)

@@ -59,7 +59,7 @@ from graphrl.executors.guards import check_rewards, reward_tensor
 from graphrl.executors.engines import EngineContext, GenerationEngine, GenerationRequest, build_engine
 from graphrl.executors.episodes import (EpisodeRunner, EpisodeSettings, Replica, codec_of, episode_metrics, episode_rows,
                                         episode_samples, episode_sums, last_turn_mask)
-from graphrl.executors.models.lora import adapters_off
+from graphrl.executors.models.lora import adapters_off, generator_version
 from graphrl.executors.models.sampling import sampling_temperature, token_logprobs_and_entropy, token_values
 from graphrl.executors.checkpointing import load_inflight, load_role_state, write_checkpoint
 from graphrl.executors.outputs import EnvErrorsWriter, MetricsWriter, SamplesWriter, checkpoint_layout, versions_ahead_file
@@ -240,10 +240,11 @@ class RankExecutor:
                             ins.version in self.versions_for_continuation:
                         kept = full_state_dict(self.roles[ins.role].module, keep=self.is_reporter, to_host=True)
                         # a copy: on a host device the gathered tensors are the live parameters themselves
-                        # (a LoRA policy's adapters alone: the generator holds its base)
-                        lora = self.job.models[self.roles[ins.role].placement.model].lora is not None
-                        self.kept_versions[ins.version] = {k: v.detach().clone() for k, v in kept.items()
-                                                           if not lora or is_adapter(k)}
+                        # (a LoRA policy's adapters alone where the generator holds its base, else its
+                        # weights with the adapters merged)
+                        self.kept_versions[ins.version] = generator_version(
+                            {k: v.detach().clone() for k, v in kept.items()},
+                            self.job.models[self.roles[ins.role].placement.model].lora)
                     if stop and ins.step < self.programs.steps - 1:  # type: ignore[union-attr]
                         raise RunStopped(stop, ins.step)  # type: ignore[union-attr]
             finally:
@@ -309,8 +310,8 @@ class RankExecutor:
             raise self.fail(ins, f"cannot read weight version {ins.version} from {path}: {exc}") from exc  # type: ignore[union-attr]
         if isinstance(dst.module, TensorParallelLlama):
             dst.module.load_full(weights)
-        else:  # a LoRA generator's version is its adapters alone
-            dst.module.load_state_dict(weights, strict=self.job.models[dst.placement.model].lora is None)
+        else:  # a LoRA generator's version may be its adapters alone
+            dst.module.load_state_dict(weights, strict=not any(map(is_adapter, weights)))
         dst.version = ins.version  # type: ignore[union-attr]
         self._weights_changed(dst.placement.role)
 
@@ -686,8 +687,10 @@ class RankExecutor:
         if src_role is not None and src_role.placement.kind == "train" and src_role.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src_role.version}, the plan syncs {ins.version}")
         src = src_role.module if src_role and src_role.placement.kind == "train" else None
-        run_weight_sync(data, self.rank, src, dst_role.module if dst_role else None, self.rt)
-        if self.job.models[ins.model].lora is not None:  # adapters alone moved: check they arrived
+        lora = self.job.models[ins.model].lora
+        run_weight_sync(data, self.rank, src, dst_role.module if dst_role else None, self.rt,
+                        merge=lora is not None and lora.sync == "merged")
+        if lora is not None:  # the adapters moved, alone or merged: check the generator samples with them
             check_delivery(data, self.rank, src, dst_role.module if dst_role else None, ins.version, self.rt,
                            src_wrapped=src_role.wrapped if src is not None else None)  # type: ignore[union-attr]
         if dst_role is not None:
@@ -698,8 +701,10 @@ class RankExecutor:
         src, dst = self.roles[ins.src_role], self.roles[ins.dst_role]
         if src.version != ins.version:
             raise self.fail(ins, f"trainer holds version {src.version}, generation needs {ins.version}")
+        lora = self.job.models[ins.model].lora
         if isinstance(dst.module, TensorParallelLlama):  # each rank fills its shards; none gathers the model
-            run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt)
+            run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt,
+                            merge=lora is not None and lora.sync == "merged")
         elif dst.reads is not None:  # the generator samples from the trainer's weights: whole, or gathered here
             if src.wrapping == "fsdp2":
                 gather_in_place(src.wrapped)  # type: ignore[arg-type]
@@ -707,9 +712,9 @@ class RankExecutor:
             fp8.copy_quantized(dst.module, src.module, src.wrapped)
         elif dst.module is not src.module:
             copy_full_weights(dst.module, src.module, src.wrapped)
-        if dst.reads is None and self.job.models[ins.model].lora is not None:  # a copy of its own: check it
+        if dst.reads is None and lora is not None:  # a copy of its own: check it
             gap = float((probe_logprobs(dst.module) - probe_logprobs(src.module, src.wrapped)).abs().max())
-            if not gap <= probe_tolerance(next(dst.module.parameters()).dtype):
+            if not gap <= probe_tolerance(dst.module):
                 raise self.fail(ins, f"after the reshard to version {ins.version} the generator's log-probs of a probe "
                                      f"sequence differ from the trainer's by up to {gap:.3g}: it does not sample from "
                                      "the trainer's weights")

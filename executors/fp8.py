@@ -228,14 +228,14 @@ def copy_quantized(dst: nn.Module, src: nn.Module, wrapper: nn.Module | None = N
     """`dst` (a quantized generator with whole tensors) := `src` (an unquantized model of the same
     architecture, maybe FSDP2-sharded inside `wrapper`), gathered by `full_weights`: the block linears
     quantized, everything else copied. Every rank of a sharded `src` calls this (the gathers are collectives)."""
-    from graphrl.executors.parallel import full_weights
+    from graphrl.executors.parallel import weights_for
 
     layers = dict(fp8_linears(dst))
     target = {name: p for name, p in dst.named_parameters()}
-    names = {name for name, _ in src.named_parameters()}
+    weights, names = weights_for(target, src, wrapper)  # a LoRA trainer's with its adapters merged
     if set(target) != names:
         raise RuntimeError(f"weights differ: {sorted(set(target) ^ names)[:4]}")
-    for name, full in full_weights(src, wrapper):
+    for name, full in weights:
         if name in layers:
             layers[name].load_(full)
         else:

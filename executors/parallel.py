@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphrl.schemas.sharding import (LLAMA_EMBEDDING, ModuleSpec, TpStyle, fsdp_layer_units, fsdp_shard_dim, llama_modules,
-                                      tp_split_dim, tp_split_problem)
+                                      is_adapter, tp_split_dim, tp_split_problem)
 from graphrl.executors.models.llama import LlamaCritic, PackedSequences
-from graphrl.executors.models.lora import Adapted
+from graphrl.executors.models.lora import Adapted, merged_weights
 from graphrl.executors.models.sampling import token_logprobs_and_entropy, token_values
 
 
@@ -492,12 +492,23 @@ def copy_full_weights(dst: nn.Module, src: nn.Module, wrapper: nn.Module | None 
     """`dst`'s weights (whole tensors) := `src`'s, gathered by `full_weights` and copied in place, so no
     full copy of the model exists beside the two modules."""
     target = dict(dst.named_parameters())
-    names = {name for name, _ in src.named_parameters()}
+    weights, names = weights_for(target, src, wrapper)
     if set(target) != names:
         raise RuntimeError(f"weights differ: {sorted(set(target) ^ names)[:4]}")
     with torch.no_grad():
-        for name, full in full_weights(src, wrapper):
+        for name, full in weights:
             target[name].copy_(full)
+
+
+def weights_for(target: Iterable[str], src: nn.Module, wrapper: nn.Module | None = None
+                ) -> tuple[Iterator[tuple[str, Tensor]], set[str]]:
+    """`src`'s whole weights (`full_weights`) as a copy with parameters `target` takes them, and their names: a
+    plain copy of a LoRA model (`lora.sync: merged`) takes them with the adapters folded in."""
+    names = {name for name, _ in src.named_parameters()}
+    weights = full_weights(src, wrapper)
+    if any(map(is_adapter, names)) and not any(map(is_adapter, target)):
+        return merged_weights(weights, src), {n for n in names if not is_adapter(n)}
+    return weights, names
 
 
 def _full(tensor: Tensor) -> Tensor:

@@ -66,11 +66,11 @@ class RoleBuild:
     def mesh(self, p: RolePlacement) -> Mesh:
         return self.plan.chosen.mesh(p.mesh)
 
-    def new_module(self, p: RolePlacement) -> nn.Module:
+    def new_module(self, p: RolePlacement, *, adapters: bool = True) -> nn.Module:
         """The role's model as every rank starts it (`initial_module`)."""
         assert self.plan.bindings is not None
         return initial_module(self.plan.job, p.model, critic=self.plan.bindings.roles[p.role].head == "value",
-                              device=self.rt.device)
+                              device=self.rt.device, adapters=adapters)
 
     def tensor_parallel_group(self, p: RolePlacement) -> TensorParallelGroup:
         """This rank's place in the group its Generate instructions name (one generator replica)."""
@@ -84,10 +84,11 @@ class RoleBuild:
         return TensorParallelGroup(list(ranks).index(rank), p.tp, self.rt.group(name))
 
 
-def initial_module(job: JobSpec, model: str, *, critic: bool = False, device: torch.device | str = "cpu") -> nn.Module:
+def initial_module(job: JobSpec, model: str, *, critic: bool = False, device: torch.device | str = "cpu",
+                   adapters: bool = True) -> nn.Module:
     """Model `model` of `job` as a run starts it: initialised as every rank initialises it (seeded by the
     model it starts from), with the job's checkpoint loaded when it names one, and with its LoRA adapters
-    (seeded too, so every copy draws the same) when it declares them."""
+    (seeded too, so every copy draws the same) when it declares them and `adapters` is on."""
     spec = job.models[model]
     torch.manual_seed(job.run.seed * 7919 + sum(map(ord, spec.init_from or model)))
     dims = spec.resolved_dims()
@@ -97,7 +98,7 @@ def initial_module(job: JobSpec, model: str, *, critic: bool = False, device: to
 
         _, state = load_state(spec.checkpoint)
         module.load_state_dict(state, strict=not critic)
-    if spec.lora is not None:
+    if spec.lora is not None and adapters:
         adapt(module, dims, spec.lora, seed=job.run.seed * 7919 + 1 + sum(map(ord, model)))
     return module
 
@@ -133,13 +134,15 @@ def build_generate(b: RoleBuild, p: RolePlacement) -> RoleState:
             train_tp=trainer.placement.tp, sharding=trainer.placement.sharding,
             one_unit=not layer_units(trainer.module.model.layers, tp=1)):
         return RoleState(p, trainer.module, reads=trainer.placement.role)
-    module = b.new_module(p)
     lora = b.plan.job.models[p.model].lora
+    lora = lora if lora is not None and lora.sync == "adapters" else None  # merged syncs fill a plain model
+    module = b.new_module(p, adapters=lora is not None)
     if p.tp > 1:
         module = TensorParallelLlama.from_full(module, b.tensor_parallel_group(p), lora=lora)
     if p.precision == "fp8":
         if lora is not None:
-            raise RunError(f"role {p.role}: an fp8 generator of a LoRA model is not run", fix="use precision bf16")
+            raise RunError(f"role {p.role}: an fp8 generator cannot hold LoRA adapters (it quantizes the linears "
+                           "they wrap)", fix="use precision bf16, or lora.sync: merged")
         module = fp8.quantize_generator(module)
     module.requires_grad_(False)
     return RoleState(p, module)

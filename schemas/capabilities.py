@@ -158,7 +158,8 @@ def precision_refusal(role_kind: str, precision: str, *, hardware_fp8: bool, moe
     for a mixture-of-experts model, `moe`, or a model with LoRA adapters, `lora`)."""
     if precision == "fp8" and lora:
         return Refusal("precision", "fp8 generation quantizes the block linears, which a LoRA model's adapters wrap",
-                       "use precision: bf16 for this model's generation copy")
+                       "use precision: bf16 for this model's generation copy, or lora.sync: merged (the generator "
+                       "then holds merged weights)")
     if precision == "fp8" and moe:
         return Refusal("precision", "fp8 generation quantizes dense linears; a mixture-of-experts model's stacked "
                        "experts are not quantized", "use precision: bf16 for this model's generation copy")
@@ -218,7 +219,8 @@ def plan_refusals(plan: "Plan") -> list[PlanRefusal]:
     out: list[PlanRefusal] = []
     fp8 = hardware_has_fp8(plan.hardware)
     for p in plan.chosen.placements:
-        lora = plan.job.models[p.model].lora is not None
+        spec = plan.job.models[p.model].lora
+        lora = spec is not None and (p.kind == "train" or spec.sync == "adapters")  # the role holds adapters
         found = [dtype_refusal(p.kind, plan.job.models[p.model].dtype),
                  precision_refusal(p.kind, p.precision, hardware_fp8=fp8, lora=lora)]
         if p.kind == "train":

@@ -238,6 +238,10 @@ class LoraSpec(Frozen):
     base_reference: Boolean = Field(
         default=True, description="A frozen model of this job initialised from this one (init_from) runs as this "
         "model's base with the adapters switched off: no second copy of the weights. false: it keeps its own copy.")
+    sync: Literal["adapters", "merged"] = Field(
+        default="adapters", description="What a weight sync moves into a generator of its own: 'adapters' (it keeps the "
+        "base it loaded and applies them), or 'merged' (the trainer folds them into its weights, a staging group of "
+        "layers at a time, and the generator holds a plain model: full weights cross, and fp8 generators run).")
 
     @model_validator(mode="after")
     def _known_targets(self) -> "LoraSpec":

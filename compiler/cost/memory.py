@@ -371,7 +371,23 @@ def trainer_mesh_memory(p: Problem, cfg: TrainCfg, extra_resident: float = 0.0) 
         for name, mem in roles.items():
             total += mem.total if name in active else _idle(mem, offloaded[name])
         peak = max(peak, total)
+    # A weight sync that merges the policy's adapters stages one group of layers of its merged linears
+    # beside every role's resting state.
+    staging = merged_sync_staging(p, cfg)
+    if staging:
+        peak = max(peak, extra_resident + staging + sum(_idle(m, offloaded[n]) for n, m in roles.items()))
     return MeshMemory(peak, roles, host, offloaded)
+
+
+def merged_sync_staging(p: Problem, cfg: TrainCfg) -> float:
+    """Bytes per device a trainer stages while it sends its weights with its LoRA adapters folded in
+    (`lora.sync: merged`): its shard of one staging group's merged linears (`sync_staging_layers`' groups)."""
+    policy, gen = p.policy, p.generator
+    if policy.lora is None or gen is None or gen.lora is not None:
+        return 0.0
+    held = cfg.tp * (cfg.dp * cfg.fsdp if cfg.sharding in ("zero2", "fsdp") else 1)
+    layers = staging_layers(policy.dims, cfg.tp * cfg.fsdp)
+    return layers * layer_linear_params(policy.dims) / held * max(policy.weight_bytes, BF16_BYTES)
 
 
 def gen_per_sequence(p: Problem, role: Role, tp: int) -> float:

@@ -223,12 +223,12 @@ def trainer_times(p: Problem, cfg: TrainCfg, *, gathered_at_sync: bool = False) 
     }
 
 
-def synced_bytes(role: Role) -> float:
-    """Bytes one generator replica receives per weight sync of `role`: its bf16 weights, or a LoRA model's
-    adapters alone (the generator keeps the base it loaded)."""
-    if role.lora is not None:
-        return lora_param_count(role.dims, role.lora) * BF16_BYTES
-    return weight_bytes(role.dims, BF16_BYTES)
+def synced_bytes(generator: Role) -> float:
+    """Bytes one generator replica receives per weight sync: the bf16 weights, or where it holds LoRA adapters
+    (`lora.sync: adapters`), the adapters alone (it keeps the base it loaded)."""
+    if generator.lora is not None:
+        return lora_param_count(generator.dims, generator.lora) * BF16_BYTES
+    return weight_bytes(generator.dims, BF16_BYTES)
 
 
 def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, float]:
@@ -238,7 +238,7 @@ def weight_sync_time(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, f
     rounds of at most one DDMA bucket, timed as the weight-sync pass times the planned rounds
     (`weight_copy_seconds`); a serving engine then reloads them (`engine_reload_time`)."""
     role = p.policy
-    weights = synced_bytes(role)
+    weights = synced_bytes(p.generator or role)
     total = weights * gen.dp
     spans = p.spans(min(train.first, gen.first), train.n + gen.n)
     busiest = max(weights / gen.tp, total / train.n)  # one generator rank's share, one trainer rank's
@@ -288,8 +288,8 @@ def _fill_in_place(p: Problem, train: TrainCfg, gen: GenCfg) -> tuple[float, flo
         if not tensors:
             return 0.0, 0.0
         return chunked_collective_time("all_gather", shard_bytes, tensors, group, p.hw, spans), shard_bytes
-    if role.lora is not None:  # the adapters alone, into the base the generator keeps (the DDMA record's)
-        weights = synced_bytes(role)
+    if p.generator is not None and p.generator.lora is not None:  # the adapters alone (the DDMA record's)
+        weights = synced_bytes(p.generator)
     t = chunked_collective_time("all_gather", weights / gen.tp, param_tensor_count(role.dims), group, p.hw, spans)
     return t, weights * gen.dp
 
@@ -378,7 +378,7 @@ def lora_comparison(p: Problem, ev: Evaluated) -> LoraSummary | None:
         LoraFigure(what="trainer mesh at its peak", unit="bytes", lora=lora_peak, full=full_peak),
         LoraFigure(what="training seconds per step", unit="seconds", lora=lora_train, full=full_train),
         LoraFigure(what="weight sync bytes per step (all replicas)", unit="bytes",
-                   lora=synced_bytes(role) * replicas, full=synced_bytes(full_role) * replicas),
+                   lora=synced_bytes(p.generator or role) * replicas, full=synced_bytes(full_role) * replicas),
     ]
     return LoraSummary(rank=role.lora.rank, adapter_params=lora_param_count(role.dims, role.lora),
                        base_params=param_count(role.dims), base_reference=list(role.bases), figures=figures,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,77 @@ def adapt(model: nn.Module, dims: ModelDims, lora: LoraSpec, *, seed: int | None
     return model
 
 
+def _whole(t: Tensor) -> Tensor:
+    """A parameter whole: a DTensor gathered (a collective over its mesh), a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def merged_shards(model: nn.Module, among: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
+    """Per adapted projection of `model` (whose weight's name `among` accepts): the weight as this rank holds
+    it (its local shard, a DTensor of the same placements where the weight is one) with the adapter folded in,
+    W + scaling * B A over the shard's region, computed in float32: what a sync that merges the adapters sends
+    for it. Every rank that holds the model calls this (the adapters are gathered whole where sharded)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for name, module in model.named_modules():
+        key = f"{name}.weight"
+        if not isinstance(module, Adapted) or (among is not None and not among(key)):
+            continue
+        weight = module.weight  # type: ignore[attr-defined]
+        delta = (_whole(module.lora_B.weight).float() @ _whole(module.lora_A.weight).float()) * module.scaling
+        if isinstance(weight, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+            local = weight.to_local()
+            region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            merged = (local.float() + delta[region]).to(local.dtype)
+            out[key] = DTensor.from_local(merged, weight.device_mesh, weight.placements, shape=weight.shape,
+                                          stride=weight.stride())
+        else:
+            out[key] = (weight.float() + delta).to(weight.dtype)
+    return out
+
+
+def merged_weights(weights: Iterable[tuple[str, Tensor]], model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, whole tensor) pairs of `model` (as `parallel.full_weights` gives them) with each adapter folded into
+    its projection's weight and the adapters left out: the weights of the merged model, under the base's names.
+    A projection's weight comes before its adapters, so it is held (copied) until they have passed."""
+    scaling = {f"{name}.weight": m.scaling for name, m in model.named_modules() if isinstance(m, Adapted)}
+    held: dict[str, Tensor] = {}
+    for name, tensor in weights:
+        if name in scaling:
+            held[name] = tensor.detach().float().clone()
+        elif is_adapter(name):
+            base = name.rsplit(".", 2)[0] + ".weight"
+            held[name] = tensor.detach().float().clone()
+            a, b = held.get(base.replace(".weight", ".lora_A.weight")), held.get(base.replace(".weight", ".lora_B.weight"))
+            if a is not None and b is not None:
+                weight = held.pop(base)
+                held.pop(base.replace(".weight", ".lora_A.weight")), held.pop(base.replace(".weight", ".lora_B.weight"))
+                yield base, (weight + (b @ a) * scaling[base]).to(tensor.dtype)
+        else:
+            yield name, tensor
+
+
+def generator_version(state: dict[str, Tensor], lora: LoraSpec | None) -> dict[str, Tensor]:
+    """What a generator of a model takes of the trainer's full weights `state` as one version: everything (no
+    adapters), the adapters alone (`lora.sync: adapters`: it keeps its base), or the weights with the adapters
+    merged (`lora.sync: merged`)."""
+    if lora is None:
+        return state
+    adapters = {k: v for k, v in state.items() if is_adapter(k)}
+    if lora.sync == "adapters":
+        return adapters
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    for name in {k.rsplit(".", 2)[0] for k in adapters}:
+        a, b = adapters[f"{name}.lora_A.weight"].float(), adapters[f"{name}.lora_B.weight"].float()
+        weight = out[f"{name}.weight"]
+        out[f"{name}.weight"] = (weight.float() + (b @ a) * lora.scaling).to(weight.dtype)
+    return out
+
+
 def lora_spec_of(model: nn.Module) -> LoraSpec | None:
     """The adapters `model` holds, as a declaration (rank, alpha, the projections adapted), or None."""
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, Adapted)]
@@ -143,4 +214,4 @@ def merged_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 __all__ = ["ADAPTED", "Adapted", "LoraLinear", "adapt", "adapted_modules", "adapter_state", "adapters_off",
-           "lora_spec_of", "merged_state"]
+           "generator_version", "lora_spec_of", "merged_shards", "merged_state", "merged_weights"]

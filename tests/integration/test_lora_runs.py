@@ -83,3 +83,17 @@ def test_a_resumed_lora_run_is_the_uninterrupted_one(tmp_path: Path, single: lis
     _, resumed = run(out, "cluster=local-cpu-1", resume=True)
     assert [r["step"] for r in resumed] == list(range(STEPS))
     _same_run(resumed, single)
+
+
+def test_merged_syncs_fill_plain_generators_as_the_adapters_do(tmp_path: Path, single: list[dict]) -> None:
+    # `lora.sync: merged`: the trainer folds its adapters into what it sends, a staging group at a time
+    for name, sets in (("split", ("placement.strategy=disaggregated", "placement.roles.policy/generate.devices=0-0",
+                                  "placement.roles.policy.devices=1-1")),
+                       ("tp", ("placement.strategy=colocated", "placement.roles.policy/generate.tp=2"))):
+        _, merged = run(tmp_path / name, "models.policy.lora.sync=merged", *sets)
+        _same_run(merged, single)
+    # into an fp8 generator (which cannot hold adapters): it samples the merged weights, quantized
+    label, quantized = run(tmp_path / "fp8", "models.policy.lora.sync=merged",
+                           "placement.roles.policy/generate.precision=fp8")
+    assert "fp8" in label
+    assert max(r["mismatch_abs_max"] for r in quantized) < 0.1

@@ -23,7 +23,7 @@ from graphrl.loader import apply_overrides, job_cluster, load_job, parse_overrid
 from graphrl.schemas.capabilities import plan_refusals
 from graphrl.schemas.model import MODEL_PRESETS, LoraSpec
 from graphrl.schemas.program import Logprob
-from graphrl.schemas.sharding import is_adapter, lora_param_count, lora_params
+from graphrl.schemas.sharding import is_adapter, llama_param_count, lora_param_count, lora_params
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -60,6 +60,33 @@ def test_trainer_state_and_sync_are_the_adapters() -> None:
     assert record.summary.total_bytes < full_record.summary.total_bytes / 3
     sync = next(op for op in lora.chosen.operations if op.kind == "weight_sync")
     assert sync.num_bytes == record.summary.total_bytes
+
+
+def test_a_merged_sync_sends_the_weights_to_a_plain_generator_a_staging_group_at_a_time() -> None:
+    merged = _compile("grpo_lora_tiny.yaml", "placement.strategy=disaggregated", "models.policy.lora.sync=merged")
+    record = next(iter(merged.programs.weight_syncs.values()))
+    dims = MODEL_PRESETS["tiny-digits-tied"]
+    assert not any(is_adapter(name) for name in record.params) and record.staging_layers >= 1
+    generator = next(p for p in merged.chosen.placements if p.kind == "generate")
+    assert generator.memory_bytes.params == pytest.approx(llama_param_count(dims) * 4)  # no adapters held
+    fp8 = _compile("grpo_lora_tiny.yaml", "models.policy.lora.sync=merged", "placement.roles.policy/generate.precision=fp8")
+    assert not plan_refusals(fp8)
+
+
+def test_merging_adapters_into_weights_gives_the_adapted_model() -> None:
+    from graphrl.executors.models.lora import generator_version, merged_shards, merged_state, merged_weights
+
+    dims, lora = MODEL_PRESETS["tiny-digits-qwen2"], LoraSpec(rank=4, sync="merged")
+    model = adapt(Llama(dims), dims, lora, seed=2)
+    with torch.no_grad():
+        for p in adapter_state(model).values():
+            p.normal_(0, 0.2)
+    want = merged_state(model)
+    assert dict(merged_weights(model.state_dict().items(), model)).keys() == want.keys()
+    assert all(torch.allclose(t, want[k]) for k, t in merged_weights(model.state_dict().items(), model))
+    assert all(torch.allclose(t, want[k]) for k, t in merged_shards(model).items())
+    assert all(torch.allclose(t, want[k]) for k, t in generator_version(dict(model.state_dict()), lora).items())
+    assert set(generator_version(dict(model.state_dict()), LoraSpec(rank=4))) == set(adapter_state(model))
 
 
 def test_the_preview_sets_lora_beside_full_training_and_70b_fits_where_full_does_not() -> None:
