@@ -404,10 +404,10 @@ def check_delivery(data: WeightSyncRecord, rank: int, src: nn.Module | None, dst
             dist.send(want.to(rt.comm_device), peer, tag=PROBE_TAG + version % PROBE_TAG)  # type: ignore[union-attr]
     if dst is None:
         return
-    got = probe_logprobs(dst)
-    if want is None:
+    if want is None:  # received before scoring: the two sides' forwards never compete for the same cores
         want = torch.empty(PROBE_TOKENS, dtype=torch.float32, device=rt.comm_device)
         dist.recv(want, first, tag=PROBE_TAG + version % PROBE_TAG)
+    got = probe_logprobs(dst)
     gap = float((got.to(want.device) - want).abs().max())
     tolerance = probe_tolerance(dst)
     if not gap <= tolerance:

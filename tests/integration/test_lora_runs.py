@@ -77,10 +77,11 @@ def test_a_tensor_parallel_trainer_trains_its_adapters_as_one_rank_does(tmp_path
     _same_run(sharded, single)
 
 
-def test_a_resumed_lora_run_is_the_uninterrupted_one(tmp_path: Path, single: list[dict]) -> None:
+@pytest.mark.parametrize("layout", [("cluster=local-cpu-1",), ("placement.roles.policy.sharding=fsdp",)])
+def test_a_resumed_lora_run_is_the_uninterrupted_one(tmp_path: Path, single: list[dict], layout: tuple[str, ...]) -> None:
     out = tmp_path / "resumed"
-    run(out, "cluster=local-cpu-1", "schedule.checkpoint_every=1", steps=2)
-    _, resumed = run(out, "cluster=local-cpu-1", resume=True)
+    run(out, *layout, "schedule.checkpoint_every=1", steps=2)
+    _, resumed = run(out, *layout, resume=True)
     assert [r["step"] for r in resumed] == list(range(STEPS))
     _same_run(resumed, single)
 
