@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from graphrl.compiler.compile import compile_job
-from graphrl.compiler.preview import render_text
+from graphrl.compiler.preview import render_html, render_text
 from graphrl.errors import GraphRLError, RunError
 from graphrl.executors.models.llama import Llama
 from graphrl.executors.models.lora import adapt, adapter_state
@@ -100,6 +100,8 @@ def test_the_preview_sets_lora_beside_full_training_and_70b_fits_where_full_does
     assert not lora.lora.full_fits and lora.lora.base_reference == ["reference"]
     text = render_text(lora)
     assert "LoRA rank 32 beside full training" in text and "does not fit" in text
+    page = render_html(lora)
+    assert "LoRA rank 32 beside full training" in page and "trainer optimizer state" in page
     with pytest.raises(GraphRLError, match="no layout fits"):
         _compile("llama3_70b.yaml", cluster=str(EXAMPLES / "clusters" / "h100_8.yaml"))
     assert _compile("llama3_70b.yaml").lora is None
