@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from graphrl.errors import RunError
 from graphrl.schemas.model import LoraSpec, ModelDims
-from graphrl.schemas.sharding import is_adapter, lora_modules
+from graphrl.schemas.sharding import LORA_A, LORA_B, is_adapter, lora_modules
 
 
 class Adapted:
@@ -97,6 +97,12 @@ def adapt(model: nn.Module, dims: ModelDims, lora: LoraSpec, *, seed: int | None
     return model
 
 
+def fold(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+    """W + scaling * B A, computed in float32 and returned in W's dtype: an adapter merged into its weight (or
+    into the region of it `weight` is, with B's rows and A's columns of that region)."""
+    return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
+
+
 def _whole(t: Tensor) -> Tensor:
     """A parameter whole: a DTensor gathered (a collective over its mesh), a plain tensor as it is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -117,36 +123,31 @@ def merged_shards(model: nn.Module, among: Callable[[str], bool] | None = None) 
         if not isinstance(module, Adapted) or (among is not None and not among(key)):
             continue
         weight = module.weight  # type: ignore[attr-defined]
-        delta = (_whole(module.lora_B.weight).float() @ _whole(module.lora_A.weight).float()) * module.scaling
+        a, b = _whole(module.lora_A.weight), _whole(module.lora_B.weight)
         if isinstance(weight, DTensor):
             shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-            local = weight.to_local()
-            region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-            merged = (local.float() + delta[region]).to(local.dtype)
+            rows, cols = (slice(o, o + n) for o, n in zip(offset, shape))
+            merged = fold(weight.to_local(), a[:, cols], b[rows], module.scaling)
             out[key] = DTensor.from_local(merged, weight.device_mesh, weight.placements, shape=weight.shape,
                                           stride=weight.stride())
         else:
-            out[key] = (weight.float() + delta).to(weight.dtype)
+            out[key] = fold(weight, a, b, module.scaling)
     return out
 
 
 def merged_weights(weights: Iterable[tuple[str, Tensor]], model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(name, whole tensor) pairs of `model` (as `parallel.full_weights` gives them) with each adapter folded into
     its projection's weight and the adapters left out: the weights of the merged model, under the base's names.
-    A projection's weight comes before its adapters, so it is held (copied) until they have passed."""
+    A projection's weight and its A come before its B, so they are held (copied) until B has passed."""
     scaling = {f"{name}.weight": m.scaling for name, m in model.named_modules() if isinstance(m, Adapted)}
     held: dict[str, Tensor] = {}
     for name, tensor in weights:
-        if name in scaling:
-            held[name] = tensor.detach().float().clone()
-        elif is_adapter(name):
-            base = name.rsplit(".", 2)[0] + ".weight"
-            held[name] = tensor.detach().float().clone()
-            a, b = held.get(base.replace(".weight", ".lora_A.weight")), held.get(base.replace(".weight", ".lora_B.weight"))
-            if a is not None and b is not None:
-                weight = held.pop(base)
-                held.pop(base.replace(".weight", ".lora_A.weight")), held.pop(base.replace(".weight", ".lora_B.weight"))
-                yield base, (weight + (b @ a) * scaling[base]).to(tensor.dtype)
+        if name in scaling or name.endswith(f".{LORA_A}.weight"):
+            held[name] = tensor.detach().clone()
+        elif name.endswith(f".{LORA_B}.weight"):
+            projection = name.rsplit(".", 2)[0]
+            key = f"{projection}.weight"
+            yield key, fold(held.pop(key), held.pop(f"{projection}.{LORA_A}.weight"), tensor, scaling[key])
         else:
             yield name, tensor
 
@@ -161,10 +162,10 @@ def generator_version(state: dict[str, Tensor], lora: LoraSpec | None) -> dict[s
     if lora.sync == "adapters":
         return adapters
     out = {k: v for k, v in state.items() if not is_adapter(k)}
-    for name in {k.rsplit(".", 2)[0] for k in adapters}:
-        a, b = adapters[f"{name}.lora_A.weight"].float(), adapters[f"{name}.lora_B.weight"].float()
-        weight = out[f"{name}.weight"]
-        out[f"{name}.weight"] = (weight.float() + (b @ a) * lora.scaling).to(weight.dtype)
+    for projection in {k.rsplit(".", 2)[0] for k in adapters}:
+        key = f"{projection}.weight"
+        out[key] = fold(out[key], adapters[f"{projection}.{LORA_A}.weight"], adapters[f"{projection}.{LORA_B}.weight"],
+                        lora.scaling)
     return out
 
 
@@ -206,12 +207,11 @@ def merged_state(model: nn.Module) -> dict[str, Tensor]:
     model's names: what a plain checkpoint of the trained model holds."""
     out = {name: p.detach().clone() for name, p in model.named_parameters() if not is_adapter(name)}
     for name, module in model.named_modules():
-        if isinstance(module, Adapted) and isinstance(module, nn.Module):
-            delta = (module.lora_B.weight.float() @ module.lora_A.weight.float()) * module.scaling
+        if isinstance(module, Adapted):
             key = f"{name}.weight"
-            out[key] = (out[key].float() + delta).to(out[key].dtype)
+            out[key] = fold(out[key], module.lora_A.weight, module.lora_B.weight, module.scaling)
     return out
 
 
-__all__ = ["ADAPTED", "Adapted", "LoraLinear", "adapt", "adapted_modules", "adapter_state", "adapters_off",
+__all__ = ["ADAPTED", "Adapted", "LoraLinear", "adapt", "fold", "adapted_modules", "adapter_state", "adapters_off",
            "generator_version", "lora_spec_of", "merged_shards", "merged_state", "merged_weights"]

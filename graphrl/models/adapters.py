@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from graphrl.errors import DataError, GraphRLWarning
+from graphrl.executors.models.lora import fold
 from graphrl.schemas.model import LoraSpec, ModelDims
 from graphrl.schemas.sharding import LORA_A, LORA_B, is_adapter, lora_modules, lora_params
 from graphrl.writes import writable_folder, write_folder
@@ -71,8 +72,7 @@ def merge_adapters(state: Mapping[str, Tensor], adapters: Mapping[str, Tensor], 
                             f"a rank-{lora.rank} adapter of its [{rows}, {cols}] weight is [{rows}, {lora.rank}] x "
                             f"[{lora.rank}, {cols}]", fix="merge the adapters into the model they were trained on, "
                             "with the LoRA settings they were trained with")
-        delta = (b.float() @ a.float()) * lora.scaling
-        out[key] = (state[key].float() + delta).to(state[key].dtype)
+        out[key] = fold(state[key], a, b, lora.scaling)
     return out
 
 
