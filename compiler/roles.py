@@ -219,7 +219,7 @@ def derive_roles(graph: JobGraph) -> list[Role]:
                               lora=mspec.lora, bases=base_of))
             if gen_ops:
                 # a generator that receives the adapters holds them; one that receives merged weights is plain
-                held = mspec.lora if mspec.lora is not None and mspec.lora.sync == "adapters" else None
+                held = mspec.lora if mspec.lora is not None and not mspec.lora.merged else None
                 roles.append(Role(generation_role(model), model, "generate", dims, gen_ops, wbytes, lora=held))
         else:
             if other_ops:

@@ -70,7 +70,7 @@ from graphrl.executors.profiling import ProfileSettings, RankProfiler, SpanRecor
 from graphrl.executors.runtime import Runtime
 from graphrl.executors.stopping import RunStopped, StopRequests
 from graphrl.executors.tensor_parallel import TensorParallelLlama
-from graphrl.executors.weightsync import check_delivery, probe_logprobs, probe_tolerance, run_weight_sync
+from graphrl.executors.weightsync import check_delivery, probe_logprobs, probe_mismatch, run_weight_sync
 
 def step_lag(programs: Programs, rank: int) -> int:
     """How many steps behind the newest step it has seen an instruction of `rank`'s stream can be: 0
@@ -689,7 +689,7 @@ class RankExecutor:
         src = src_role.module if src_role and src_role.placement.kind == "train" else None
         lora = self.job.models[ins.model].lora
         run_weight_sync(data, self.rank, src, dst_role.module if dst_role else None, self.rt,
-                        merge=lora is not None and lora.sync == "merged")
+                        merge=lora is not None and lora.merged)
         if lora is not None:  # the adapters moved, alone or merged: check the generator samples with them
             check_delivery(data, self.rank, src, dst_role.module if dst_role else None, ins.version, self.rt,
                            src_wrapped=src_role.wrapped if src is not None else None)  # type: ignore[union-attr]
@@ -704,7 +704,7 @@ class RankExecutor:
         lora = self.job.models[ins.model].lora
         if isinstance(dst.module, TensorParallelLlama):  # each rank fills its shards; none gathers the model
             run_weight_sync(self._sync_record(ins.model), self.rank, src.module, dst.module, self.rt,
-                            merge=lora is not None and lora.sync == "merged")
+                            merge=lora is not None and lora.merged)
         elif dst.reads is not None:  # the generator samples from the trainer's weights: whole, or gathered here
             if src.wrapping == "fsdp2":
                 gather_in_place(src.wrapped)  # type: ignore[arg-type]
@@ -713,11 +713,9 @@ class RankExecutor:
         elif dst.module is not src.module:
             copy_full_weights(dst.module, src.module, src.wrapped)
         if dst.reads is None and lora is not None:  # a copy of its own: check it
-            gap = float((probe_logprobs(dst.module) - probe_logprobs(src.module, src.wrapped)).abs().max())
-            if not gap <= probe_tolerance(dst.module):
-                raise self.fail(ins, f"after the reshard to version {ins.version} the generator's log-probs of a probe "
-                                     f"sequence differ from the trainer's by up to {gap:.3g}: it does not sample from "
-                                     "the trainer's weights")
+            problem = probe_mismatch(dst.module, probe_logprobs(src.module, src.wrapped))
+            if problem is not None:
+                raise self.fail(ins, f"after the reshard to version {ins.version}, {problem}")
         dst.version = ins.version
         self._weights_changed(ins.dst_role)
 

@@ -135,7 +135,7 @@ def build_generate(b: RoleBuild, p: RolePlacement) -> RoleState:
             one_unit=not layer_units(trainer.module.model.layers, tp=1)):
         return RoleState(p, trainer.module, reads=trainer.placement.role)
     lora = b.plan.job.models[p.model].lora
-    lora = lora if lora is not None and lora.sync == "adapters" else None  # merged syncs fill a plain model
+    lora = lora if lora is not None and not lora.merged else None  # merged syncs fill a plain model
     module = b.new_module(p, adapters=lora is not None)
     if p.tp > 1:
         module = TensorParallelLlama.from_full(module, b.tensor_parallel_group(p), lora=lora)

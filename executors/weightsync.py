@@ -407,11 +407,18 @@ def check_delivery(data: WeightSyncRecord, rank: int, src: nn.Module | None, dst
     if want is None:  # received before scoring: the two sides' forwards never compete for the same cores
         want = torch.empty(PROBE_TOKENS, dtype=torch.float32, device=rt.comm_device)
         dist.recv(want, first, tag=PROBE_TAG + version % PROBE_TAG)
-    got = probe_logprobs(dst)
-    gap = float((got.to(want.device) - want).abs().max())
-    tolerance = probe_tolerance(dst)
-    if not gap <= tolerance:
-        raise RunError(f"rank {rank}: after the weight sync of {data.model} to version {version}, the generator's "
-                       f"log-probs of a probe sequence differ from the trainer's by up to {gap:.3g} (tolerance "
-                       f"{tolerance:g}): the generator does not sample from the weights the trainer synced",
+    problem = probe_mismatch(dst, want)
+    if problem is not None:
+        raise RunError(f"rank {rank}: after the weight sync of {data.model} to version {version}, {problem}",
                        fix="recompile the plan with this graphrl; if it persists, report the plan file")
+
+
+def probe_mismatch(generator: nn.Module, want: Tensor) -> str | None:
+    """Why `generator` does not sample from the weights whose probe log-probs are `want` (the trainer's), or
+    None when its own probe agrees within `probe_tolerance`."""
+    gap = float((probe_logprobs(generator).to(want.device) - want).abs().max())
+    tolerance = probe_tolerance(generator)
+    if gap <= tolerance:
+        return None
+    return (f"the generator's log-probs of a probe sequence differ from the trainer's by up to {gap:.3g} (tolerance "
+            f"{tolerance:g}): the generator does not sample from the weights the trainer synced")

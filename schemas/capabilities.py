@@ -220,7 +220,7 @@ def plan_refusals(plan: "Plan") -> list[PlanRefusal]:
     fp8 = hardware_has_fp8(plan.hardware)
     for p in plan.chosen.placements:
         spec = plan.job.models[p.model].lora
-        lora = spec is not None and (p.kind == "train" or spec.sync == "adapters")  # the role holds adapters
+        lora = spec is not None and (p.kind == "train" or not spec.merged)  # the role holds adapters
         found = [dtype_refusal(p.kind, plan.job.models[p.model].dtype),
                  precision_refusal(p.kind, p.precision, hardware_fp8=fp8, lora=lora)]
         if p.kind == "train":

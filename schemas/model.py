@@ -255,6 +255,11 @@ class LoraSpec(Frozen):
         return self
 
     @property
+    def merged(self) -> bool:
+        """Whether weight syncs send the weights with the adapters folded in (a plain generator)."""
+        return self.sync == "merged"
+
+    @property
     def scaling(self) -> float:
         """alpha / rank, the factor on B A x."""
         return (self.alpha or 2.0 * self.rank) / self.rank

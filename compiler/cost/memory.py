@@ -382,8 +382,11 @@ def trainer_mesh_memory(p: Problem, cfg: TrainCfg, extra_resident: float = 0.0) 
 def merged_sync_staging(p: Problem, cfg: TrainCfg) -> float:
     """Bytes per device a trainer stages while it sends its weights with its LoRA adapters folded in
     (`lora.sync: merged`): its shard of one staging group's merged linears (`sync_staging_layers`' groups)."""
-    policy, gen = p.policy, p.generator
-    if policy.lora is None or gen is None or gen.lora is not None:
+    policy = p.policy
+    if policy.lora is None:  # asked for every trainer candidate: a job without adapters answers at once
+        return 0.0
+    gen = p.generator
+    if gen is None or gen.lora is not None:
         return 0.0
     held = cfg.tp * (cfg.dp * cfg.fsdp if cfg.sharding in ("zero2", "fsdp") else 1)
     layers = staging_layers(policy.dims, cfg.tp * cfg.fsdp)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphrl.errors import RunError
+from graphrl.errors import DataError, RunError
 from graphrl.schemas.model import LoraSpec, ModelDims
 from graphrl.schemas.sharding import LORA_A, LORA_B, is_adapter, lora_modules
 
@@ -159,13 +159,36 @@ def generator_version(state: dict[str, Tensor], lora: LoraSpec | None) -> dict[s
     if lora is None:
         return state
     adapters = {k: v for k, v in state.items() if is_adapter(k)}
-    if lora.sync == "adapters":
+    if not lora.merged:
         return adapters
-    out = {k: v for k, v in state.items() if not is_adapter(k)}
-    for projection in {k.rsplit(".", 2)[0] for k in adapters}:
+    return merge_adapters({k: v for k, v in state.items() if not is_adapter(k)}, adapters, lora)
+
+
+@torch.no_grad()
+def merge_adapters(state: Mapping[str, Tensor], adapters: Mapping[str, Tensor], lora: LoraSpec) -> dict[str, Tensor]:
+    """`state` (base-named weights) with each adapted projection's weight W replaced by W + scaling * B A,
+    computed in float32 and cast back to W's dtype."""
+    out = dict(state)
+    for name in sorted(adapters):
+        if not is_adapter(name):
+            raise DataError(f"{name} is not an adapter tensor (<projection>.{LORA_A}.weight or .{LORA_B}.weight)",
+                            fix="pass the adapters alone, apart from the base weights")
+    for projection in sorted({name.rsplit(".", 2)[0] for name in adapters}):
         key = f"{projection}.weight"
-        out[key] = fold(out[key], adapters[f"{projection}.{LORA_A}.weight"], adapters[f"{projection}.{LORA_B}.weight"],
-                        lora.scaling)
+        a, b = adapters.get(f"{projection}.{LORA_A}.weight"), adapters.get(f"{projection}.{LORA_B}.weight")
+        if key not in state:
+            raise DataError(f"an adapter adapts {key}, which the base weights do not have",
+                            fix="merge the adapters into the weights of the model they were trained on")
+        if a is None or b is None:
+            raise DataError(f"the adapter of {projection} has no {LORA_B if b is None else LORA_A}",
+                            fix="pass both halves of every adapter")
+        rows, cols = state[key].shape
+        if a.shape != (lora.rank, cols) or b.shape != (rows, lora.rank):
+            raise DataError(f"the adapter of {projection} is {LORA_B} {list(b.shape)} x {LORA_A} {list(a.shape)}; "
+                            f"a rank-{lora.rank} adapter of its [{rows}, {cols}] weight is [{rows}, {lora.rank}] x "
+                            f"[{lora.rank}, {cols}]", fix="merge the adapters into the model they were trained on, "
+                            "with the LoRA settings they were trained with")
+        out[key] = fold(state[key], a, b, lora.scaling)
     return out
 
 
@@ -214,4 +237,4 @@ def merged_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 __all__ = ["ADAPTED", "Adapted", "LoraLinear", "adapt", "fold", "adapted_modules", "adapter_state", "adapters_off",
-           "generator_version", "lora_spec_of", "merged_shards", "merged_state", "merged_weights"]
+           "generator_version", "lora_spec_of", "merge_adapters", "merged_shards", "merged_state", "merged_weights"]

@@ -17,14 +17,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from graphrl.errors import DataError, GraphRLWarning
-from graphrl.executors.models.lora import fold
+from graphrl.executors.models.lora import merge_adapters
 from graphrl.schemas.model import LoraSpec, ModelDims
-from graphrl.schemas.sharding import LORA_A, LORA_B, is_adapter, lora_modules, lora_params
+from graphrl.schemas.sharding import is_adapter, lora_modules, lora_params
 from graphrl.writes import writable_folder, write_folder
 
 EXPORT_MARKER = ".graphrl-export.json"
@@ -46,34 +45,6 @@ def check_adapters(adapters: Mapping[str, Tensor], dims: ModelDims, lora: LoraSp
         if held[name] != shape:
             raise DataError(f"adapter {name} has shape {list(held[name])}; the model's LoRA needs {list(shape)}",
                             fix="export a checkpoint written by the run of this plan")
-
-
-@torch.no_grad()
-def merge_adapters(state: Mapping[str, Tensor], adapters: Mapping[str, Tensor], lora: LoraSpec) -> dict[str, Tensor]:
-    """`state` (base-named weights) with each adapted projection's weight W replaced by W + scaling * B A,
-    computed in float32 and cast back to W's dtype."""
-    out = dict(state)
-    for name in sorted(adapters):
-        if not is_adapter(name):
-            raise DataError(f"{name} is not an adapter tensor (<projection>.{LORA_A}.weight or .{LORA_B}.weight)",
-                            fix="pass the adapters alone, apart from the base weights")
-    for projection in sorted({name.rsplit(".", 2)[0] for name in adapters}):
-        key = f"{projection}.weight"
-        a, b = adapters.get(f"{projection}.{LORA_A}.weight"), adapters.get(f"{projection}.{LORA_B}.weight")
-        if key not in state:
-            raise DataError(f"an adapter adapts {key}, which the base weights do not have",
-                            fix="merge the adapters into the weights of the model they were trained on")
-        if a is None or b is None:
-            raise DataError(f"the adapter of {projection} has no {LORA_B if b is None else LORA_A}",
-                            fix="pass both halves of every adapter")
-        rows, cols = state[key].shape
-        if a.shape != (lora.rank, cols) or b.shape != (rows, lora.rank):
-            raise DataError(f"the adapter of {projection} is {LORA_B} {list(b.shape)} x {LORA_A} {list(a.shape)}; "
-                            f"a rank-{lora.rank} adapter of its [{rows}, {cols}] weight is [{rows}, {lora.rank}] x "
-                            f"[{lora.rank}, {cols}]", fix="merge the adapters into the model they were trained on, "
-                            "with the LoRA settings they were trained with")
-        out[key] = fold(state[key], a, b, lora.scaling)
-    return out
 
 
 def save_peft_adapter(folder: str | Path, adapters: Mapping[str, Tensor], lora: LoraSpec, dims: ModelDims,
